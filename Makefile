@@ -1,0 +1,58 @@
+# ladle: `make demo` and `make test` work as the first command on a fresh clone.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ladle-installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup demo test test-fast lint format bench clean-demo
+
+setup: $(STAMP)
+
+# Re-installs only when the package metadata or the pins change.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+# --- the demo: tokenizer, data, pretraining, export and a sample, on the stdlib's source ------
+DEMO := runs/demo
+STDLIB = $(shell $(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+CORPUS = --input $(STDLIB) --glob '*.py' --exclude 'site-packages/*' 'test/*' 'idlelib/idle_test/*' 'lib2to3/tests/*'
+
+demo: setup $(DEMO)/data/meta.json
+	rm -rf $(DEMO)/run $(DEMO)/hf
+	$(BIN)/ladle run pretrain --config configs/tiny/pretrain.yaml
+	$(BIN)/ladle export hf $(DEMO)/run $(DEMO)/hf
+	$(BIN)/ladle generate --model $(DEMO)/hf --prompt 'def ' --prompt 'import ' --max-new-tokens 48 --temperature 0.8 --top-k 40
+
+$(DEMO)/tokenizer/tokenizer.json: | setup
+	$(BIN)/ladle tokenizer train $(CORPUS) --vocab-size 4096 --output $(DEMO)/tokenizer
+
+$(DEMO)/data/meta.json: $(DEMO)/tokenizer/tokenizer.json
+	$(BIN)/ladle data prepare $(CORPUS) --tokenizer $(DEMO)/tokenizer --output $(DEMO)/data --val-fraction 0.02 --workers 2
+	$(BIN)/ladle data inspect $(DEMO)/data
+
+clean-demo:
+	rm -rf $(DEMO)
+
+# --- checks -------------------------------------------------------------------------------
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check ladle tests bench
+	$(BIN)/ruff format --check ladle tests bench
+
+format: setup
+	$(BIN)/ruff format ladle tests bench
+	$(BIN)/ruff check --fix ladle tests bench
+
+# Benchmarks compare against peers (transformers Trainer, datasets): install them first.
+bench: setup
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench]'
+	$(BIN)/python bench/train_throughput.py
+	$(BIN)/python bench/data_prepare.py

@@ -1,0 +1,3 @@
+from ladle.cli import main
+
+raise SystemExit(main())

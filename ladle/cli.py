@@ -1,0 +1,280 @@
+"""The `ladle` command: parse, validate, call into the package. User errors exit 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from ladle.errors import LadleError
+
+RECIPES = {"pretrain": "ladle.recipes.pretrain"}
+
+
+def _recipe(name: str):
+    import importlib
+
+    if name not in RECIPES:
+        import difflib
+
+        hint = difflib.get_close_matches(name, RECIPES, n=1)
+        raise LadleError(
+            f"unknown recipe '{name}'" + (f"; did you mean '{hint[0]}'?" if hint else "")
+            + f" (recipes: {', '.join(RECIPES)})"
+        )
+    return importlib.import_module(RECIPES[name])
+
+
+# -- config commands ---------------------------------------------------------------------------
+def cmd_ls(args) -> int:
+    from ladle.config.load import bundled_configs
+
+    print("recipes:")
+    for name in RECIPES:
+        print(f"  {name}")
+    print("configs:")
+    for name in bundled_configs():
+        print(f"  {name}")
+    return 0
+
+
+def cmd_cp(args) -> int:
+    from ladle.config.load import resolve_config_path
+
+    src = resolve_config_path(args.config)
+    dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / src.name
+    if dest.exists() and not args.force:
+        raise LadleError(f"{dest} exists; pass --force to overwrite it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
+    print(f"copied {src} -> {dest}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from ladle.config.checks import check_all
+    from ladle.config.load import config_hash, load_config, to_yaml
+
+    cfg = load_config(args.config, args.overrides)
+    if not args.no_paths:
+        check_all(cfg)
+    sys.stdout.write(to_yaml(cfg))
+    print(f"# config hash: {config_hash(cfg)}", file=sys.stderr)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from ladle.config.load import load_config
+
+    recipe = _recipe(args.recipe)
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc > 1 or args.nnodes > 1:
+        from ladle.config.checks import check_all
+
+        check_all(cfg)  # fail here, once, before torchrun starts N processes
+        return _torchrun(args)
+    status = recipe.run(cfg)
+    return 0 if status in ("completed", "exit", "SIGTERM", "SIGINT") else 1
+
+
+def _torchrun(args) -> int:
+    import subprocess
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={args.nproc}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+        f"--max-restarts={args.max_restarts}",
+    ]
+    if args.rdzv_endpoint:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+    else:
+        cmd += ["--standalone"]
+    cmd += ["-m", "ladle", "run", args.recipe, "--config", args.config, *args.overrides]
+    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+
+
+# -- data and tokenizer ------------------------------------------------------------------------
+def cmd_tokenizer_train(args) -> int:
+    from ladle.tokenizer import load_tokenizer, train_tokenizer
+
+    out = train_tokenizer(args.input, vocab_size=args.vocab_size, output=args.output, glob=args.glob,
+                          exclude=args.exclude)
+    tok = load_tokenizer(out)
+    print(f"tokenizer with {tok.vocab_size} tokens written to {out} (sha256 {tok.hash[:12]})")
+    return 0
+
+
+def cmd_data_prepare(args) -> int:
+    from ladle.data.prepare import prepare
+
+    prepare(
+        args.input, tokenizer=args.tokenizer, output=args.output, glob=args.glob, exclude=args.exclude,
+        fmt=args.format, text_field=args.text_field, workers=args.workers, val_fraction=args.val_fraction,
+        strict=args.strict, seed=args.seed,
+    )
+    return 0
+
+
+def cmd_data_inspect(args) -> int:
+    from ladle.data.inspect import format_inspect, inspect_data
+
+    report = inspect_data(args.dir, samples=args.samples, tokenizer=args.tokenizer)
+    print(json.dumps(report, indent=2, default=str) if args.json else format_inspect(report))
+    return 0
+
+
+# -- models ------------------------------------------------------------------------------------
+def cmd_export_hf(args) -> int:
+    from ladle.train.export import export_hf
+
+    out = export_hf(args.checkpoint, args.out, dtype=args.dtype, max_shard_gb=args.max_shard_gb)
+    print(f"Hugging Face folder written to {out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from ladle.generation import generate
+    from ladle.train.export import load_any_model
+
+    model, tok = load_any_model(args.model, tokenizer=args.tokenizer)
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise LadleError("no prompt: pass --prompt TEXT (repeatable) or prompts on standard input, one a line")
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = [tok.encode(p) for p in prompts]
+    if tok.bos_id is not None and args.add_bos:
+        ids = [[tok.bos_id, *x] for x in ids]
+    outs = generate(
+        model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id or 0, generator=gen,
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        text = tok.decode(out)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": text, "tokens": out}))
+        else:
+            print(prompt + text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ladle", description="Training recipes for large language models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("ls", help="list recipes and bundled configs")
+    s.set_defaults(fn=cmd_ls)
+
+    s = sub.add_parser("cp", help="copy a bundled config out for editing")
+    s.add_argument("config")
+    s.add_argument("dest")
+    s.add_argument("--force", action="store_true")
+    s.set_defaults(fn=cmd_cp)
+
+    s = sub.add_parser("validate", help="load, override and validate a config; print the resolved YAML")
+    s.add_argument("--config", required=True)
+    s.add_argument("--no-paths", action="store_true", help="check the schema only, not tokenizer and data")
+    s.add_argument("overrides", nargs="*", metavar="key.path=value")
+    s.set_defaults(fn=cmd_validate)
+
+    s = sub.add_parser("run", help="run a recipe")
+    s.add_argument("recipe", help=", ".join(RECIPES))
+    s.add_argument("--config", required=True)
+    s.add_argument("--nproc", type=int, default=1, help="processes on this machine (starts torchrun)")
+    s.add_argument("--nnodes", type=int, default=1)
+    s.add_argument("--node-rank", type=int, default=0)
+    s.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous")
+    s.add_argument("--max-restarts", type=int, default=0)
+    s.add_argument("overrides", nargs="*", metavar="key.path=value")
+    s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = s.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND")
+    t = tsub.add_parser("train", help="train a byte-level BPE tokenizer")
+    t.add_argument("--input", nargs="+", required=True, metavar="PATH")
+    t.add_argument("--glob", default=None, help="file-name pattern inside input folders, e.g. '*.py'")
+    t.add_argument("--exclude", nargs="*", default=None, metavar="PATTERN", help="paths to skip, e.g. 'test/*'")
+    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--output", required=True)
+    t.set_defaults(fn=cmd_tokenizer_train)
+
+    s = sub.add_parser("data", help="data tools")
+    dsub = s.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    d = dsub.add_parser("prepare", help="tokenize raw text / jsonl / parquet into memory-mapped shards")
+    d.add_argument("--input", nargs="+", required=True, metavar="PATH")
+    d.add_argument("--glob", default=None)
+    d.add_argument("--exclude", nargs="*", default=None, metavar="PATTERN")
+    d.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet"])
+    d.add_argument("--text-field", default="text")
+    d.add_argument("--tokenizer", required=True, metavar="DIR")
+    d.add_argument("--output", required=True, metavar="DIR")
+    d.add_argument("--workers", type=int, default=None)
+    d.add_argument("--val-fraction", type=float, default=0.0)
+    d.add_argument("--strict", action="store_true", help="stop at the first bad record")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(fn=cmd_data_prepare)
+    d = dsub.add_parser("inspect", help="counts, lengths and decoded samples of prepared data")
+    d.add_argument("dir")
+    d.add_argument("--samples", type=int, default=2)
+    d.add_argument("--tokenizer", default=None)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_data_inspect)
+
+    s = sub.add_parser("export", help="export a checkpoint")
+    esub = s.add_subparsers(dest="export_command", required=True, metavar="FORMAT")
+    e = esub.add_parser("hf", help="to a Hugging Face safetensors folder")
+    e.add_argument("checkpoint", help="a checkpoints/step_* folder or a run directory (its latest)")
+    e.add_argument("out")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--max-shard-gb", type=float, default=5.0)
+    e.set_defaults(fn=cmd_export_hf)
+
+    s = sub.add_parser("generate", help="sample from a checkpoint or Hugging Face folder")
+    s.add_argument("--model", required=True)
+    s.add_argument("--prompt", action="append", help="repeatable; default: one prompt a line on stdin")
+    s.add_argument("--tokenizer", default=None)
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--add-bos", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # key.path=value overrides may stand anywhere after the command, also after options.
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    try:
+        return args.fn(args)
+    except LadleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from ladle.train.loop import TrainingDiverged
+
+        if isinstance(e, TrainingDiverged):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""The config schema: one pydantic model per section, composed into `LadleConfig`.
+
+Every section forbids unknown keys (the loader turns that into a "did you mean" hint) and checks
+its own ranges; checks that span sections live in `LadleConfig`. Checks that need the file system
+(tokenizer vocabulary, prepared data) live in `ladle.config.checks`, so this module stays pure.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RopeScaling(Section):
+    """Llama-3.1 frequency scaling of RoPE (HF `rope_scaling` with `rope_type: llama3`)."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_seq_len: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _check_factors(self):
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("high_freq_factor must be greater than low_freq_factor")
+        return self
+
+
+class ModelConfig(Section):
+    """A dense decoder of the Llama family (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`)."""
+
+    family: Literal["llama"] = "llama"
+    vocab_size: int = Field(32000, ge=1)
+    dim: int = Field(512, ge=1)
+    n_layers: int = Field(8, ge=1)
+    n_heads: int = Field(8, ge=1)
+    n_kv_heads: int | None = Field(None, ge=1, description="None: same as n_heads (no GQA)")
+    head_dim: int | None = Field(None, ge=1, description="None: dim // n_heads")
+    ffn_dim: int = Field(1408, ge=1)
+    max_seq_len: int = Field(2048, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    init_std: float = Field(0.02, gt=0)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @model_validator(mode="after")
+    def _check_heads(self):
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads}); "
+                f"pick n_kv_heads among {[d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]}"
+            )
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(
+                f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or set head_dim"
+            )
+        if self.head_size % 2:
+            raise ValueError(f"the head size ({self.head_size}) must be even for RoPE")
+        return self
+
+
+class TokenizerConfig(Section):
+    path: str = Field(..., description="folder with a Hugging Face tokenizer.json")
+
+
+class DataConfig(Section):
+    path: str = Field(..., description="folder written by `ladle data prepare`")
+    seq_len: int = Field(512, ge=1)
+    prefetch: int = Field(2, ge=1, description="batches prepared ahead in the background")
+
+
+class OptimConfig(Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    decay_norms_biases_embeddings: bool = Field(
+        False, description="apply weight decay to norms, biases and embeddings too"
+    )
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+
+    @field_validator("betas")
+    @classmethod
+    def _check_betas(cls, v):
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("each beta must be in [0, 1)")
+        return v
+
+
+class SchedulerConfig(Section):
+    name: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of optim.lr")
+    decay_ratio: float = Field(
+        0.2, gt=0, le=1, description="wsd: fraction of the steps after warmup spent decaying"
+    )
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(1000, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(0, ge=0, description="0: only at the end")
+    eval_steps: int = Field(10, ge=0, description="validation batches per evaluation; 0 disables")
+    resume: str = Field(
+        "never", description="never | auto (continue from checkpoints/latest) | PATH of a checkpoint"
+    )
+    exit_at_step: int = Field(
+        0, ge=0, description="stop (with a checkpoint) at this step, keeping the max_steps schedule; 0: off"
+    )
+    exit_after_minutes: float = Field(
+        0, ge=0, description="stop (with a checkpoint) after this much wall time, e.g. a job's time limit; 0: off"
+    )
+    device: str = Field("auto", description="auto | cpu | cuda | npu (optionally with :index)")
+    max_bad_steps: int = Field(
+        3, ge=1, description="consecutive non-finite steps (skipped) before the run stops"
+    )
+    threads: int = Field(0, ge=0, description="CPU threads for torch; 0 leaves torch's default")
+
+
+class PrecisionConfig(Section):
+    mode: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"] = "bf16-mixed"
+    init_loss_scale: float = Field(2.0**16, gt=0, description="fp16-mixed: starting loss scale")
+    loss_scale_window: int = Field(1000, ge=1, description="fp16-mixed: good steps before growth")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0, description="save every N steps; 0: only at the end")
+    keep_last: int = Field(2, ge=1)
+    async_save: bool = False
+
+
+class SampleConfig(Section):
+    """A generated sample printed at the end of a run (the demo's "does it write Python?")."""
+
+    prompt: str = ""
+    max_new_tokens: int = Field(64, ge=0)
+    temperature: float = Field(0.8, ge=0)
+    top_k: int = Field(50, ge=0)
+
+
+class LadleConfig(Section):
+    output_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    tokenizer: TokenizerConfig
+    data: DataConfig
+    optim: OptimConfig = OptimConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    train: TrainConfig = TrainConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    sample: SampleConfig = SampleConfig()
+
+    @model_validator(mode="after")
+    def _check_cross(self):
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len}); "
+                "lower data.seq_len or raise model.max_seq_len"
+            )
+        if self.scheduler.warmup_steps >= self.train.max_steps and self.scheduler.name != "constant":
+            raise ValueError(
+                f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be below "
+                f"train.max_steps ({self.train.max_steps})"
+            )
+        return self

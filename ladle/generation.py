@@ -1,0 +1,96 @@
+"""Batched autoregressive generation with a KV cache: greedy, or temperature / top-k / top-p sampling.
+
+Prompts of different lengths are left-padded into one batch. Pads get doc id 0 and real tokens doc id
+1, so the model's document mask keeps real tokens from attending to pads; RoPE positions start at 0 at
+each prompt's first real token, so a padded prompt generates exactly what it would alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits (B, V) with everything outside the top-k / top-p (nucleus) set at -inf.
+
+    top_p keeps the smallest set of most likely tokens whose probability mass is >= top_p.
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        drop = mass_before >= top_p  # the set already reached p without this token
+        drop[:, 0] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids (B,) from last-position logits (B, V): argmax when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = filter_logits(logits.float() / temperature, top_k, top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)  # (B,)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """The new tokens for each prompt (up to and including eos_id, when given).
+
+    `model` is a ladle Llama (anything with `new_cache` and `forward(tokens, positions, doc_ids, cache)`).
+    The whole batch is prefilled in one forward pass, then one token per step through the KV cache.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt needs at least one token")
+    B, P = len(prompts), max(len(p) for p in prompts)
+    out: list[list[int]] = [[] for _ in range(B)]
+    if max_new_tokens <= 0:
+        return out
+    device = next(model.parameters()).device
+
+    tokens = torch.full((B, P), pad_id, dtype=torch.long)
+    doc_ids = torch.zeros((B, P), dtype=torch.long)  # 0: pad, 1: prompt
+    for i, p in enumerate(prompts):
+        tokens[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+        doc_ids[i, P - len(p) :] = 1
+    tokens, doc_ids = tokens.to(device), doc_ids.to(device)
+    positions = (doc_ids.cumsum(1) - 1).clamp(min=0)  # (B, P): 0 at each prompt's first real token
+
+    cache = model.new_cache(B, P + max_new_tokens, device=device)
+    logits = model(tokens, positions=positions, doc_ids=doc_ids, cache=cache)[:, -1]  # (B, V)
+    pos = positions[:, -1:] + 1  # (B, 1)
+    ones = torch.ones((B, 1), dtype=torch.long, device=device)
+    done = [False] * B
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i]:
+                out[i].append(t)
+                done[i] = eos_id is not None and t == eos_id
+        if all(done) or step == max_new_tokens - 1:
+            break
+        # Finished rows keep decoding (their tokens are dropped): simpler than shrinking the batch.
+        logits = model(nxt[:, None], positions=pos, doc_ids=ones, cache=cache)[:, -1]
+        pos = pos + 1
+    return out

@@ -1,0 +1,368 @@
+"""Hugging Face checkpoints in and out: config.json <-> ModelConfig, safetensors <-> our state_dict.
+
+Only `LlamaForCausalLM` for now. The name map is a prefix (our modules mirror HF's `LlamaModel`):
+`model.` + our key, except the head `lm_head.weight`, which is absent when embeddings are tied.
+No transformers import here: the folder format is plain JSON + safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ladle.config.schema import ModelConfig, RopeScaling
+from ladle.errors import CheckpointError
+from ladle.models.llama import Llama
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# ModelConfig field -> HF config key, for the fields that map one to one.
+CONFIG_MAP = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "ffn_dim": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "init_std": "initializer_range",
+}
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def to_hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def from_hf_name(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+# --- config ---------------------------------------------------------------------------------------
+
+
+def hf_config(
+    cfg: ModelConfig, *, bos_id=None, eos_id=None, pad_id=None, torch_dtype: str = "float32"
+) -> dict:
+    """config.json contents for `LlamaForCausalLM`. RoPE is written in both the transformers<5 form
+    (`rope_theta`, `rope_scaling`) and the transformers 5 form (`rope_parameters`)."""
+    if cfg.qk_norm:
+        raise CheckpointError(
+            "model.qk_norm (Qwen3-style q/k RMSNorm) cannot be expressed as LlamaForCausalLM; "
+            "Qwen3 export is not supported yet: set qk_norm: false to export as Llama"
+        )
+    if cfg.qkv_bias:
+        raise CheckpointError(
+            "model.qkv_bias (Qwen2-style) cannot be expressed as LlamaForCausalLM, whose attention_bias "
+            "also puts a bias on o_proj; Qwen2 export is not supported yet"
+        )
+    rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rope_scaling = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_seq_len,
+        }
+        rope_parameters = {**rope_scaling, "rope_theta": cfg.rope_theta}
+    d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    d.update({hf: getattr(cfg, ours) for ours, hf in CONFIG_MAP.items()})
+    d.update(
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_size,
+        hidden_act="silu",
+        attention_bias=False,
+        attention_dropout=0.0,
+        mlp_bias=False,
+        pretraining_tp=1,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=rope_scaling,
+        rope_parameters=rope_parameters,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_cache=True,
+        torch_dtype=torch_dtype,
+        dtype=torch_dtype,
+    )
+    return d
+
+
+def model_config_from_hf(d: dict, path) -> ModelConfig:
+    """ModelConfig from a `LlamaForCausalLM` config.json dict; `path` names the file in errors."""
+    archs = d.get("architectures") or (["LlamaForCausalLM"] if d.get("model_type") == "llama" else [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise CheckpointError(
+            f"{path}: architecture {archs or d.get('model_type')} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if d.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {d['hidden_act']!r} is not supported, only 'silu'")
+    for key in ("attention_bias", "mlp_bias"):
+        if d.get(key):
+            raise CheckpointError(f"{path}: {key}: true is not supported (ladle's Llama has no such biases)")
+    missing = [hf for hf in CONFIG_MAP.values() if hf not in d and hf != "initializer_range"]
+    if missing:
+        raise CheckpointError(f"{path}: missing keys {missing}")
+
+    # transformers 5 nests RoPE in `rope_parameters`; older configs use `rope_theta` + `rope_scaling`.
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"{path}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    rope_scaling = None
+    if rope_type == "llama3":
+        rope_scaling = RopeScaling(
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_seq_len=rope.get("original_max_position_embeddings", d["max_position_embeddings"]),
+        )
+
+    fields = {ours: d[hf] for ours, hf in CONFIG_MAP.items() if hf in d}
+    n_heads, dim = d["num_attention_heads"], d["hidden_size"]
+    kv = d.get("num_key_value_heads") or n_heads
+    head_dim = d.get("head_dim") or dim // n_heads
+    try:
+        return ModelConfig(
+            **fields,
+            n_kv_heads=None if kv == n_heads else kv,
+            head_dim=None if head_dim * n_heads == dim else head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+        )
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        raise CheckpointError(f"{path}: config does not describe a valid model: {e}") from e
+
+
+# --- save ------------------------------------------------------------------------------------------
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int, dtype) -> list[list[str]]:
+    """Group names, in order, into shards of at most max_bytes (a bigger tensor gets a shard alone)."""
+    shards, size = [[]], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * (dtype or t.dtype).itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def save_hf(
+    state_dict: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out_dir,
+    *,
+    tokenizer_dir=None,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+    bos_id=None,
+    eos_id=None,
+    pad_id=None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a `LlamaForCausalLM` folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+    state_dict uses our names (`Llama.state_dict()`); dtype=None keeps each tensor's dtype. Everything is
+    written to a temp folder beside out_dir and renamed at the end, so a failure leaves nothing behind.
+    An existing non-empty out_dir is an error unless overwrite=True.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise CheckpointError(f"{out_dir} already exists and is not empty; remove it or pick another folder")
+    tok_files = []
+    if tokenizer_dir is not None:
+        tok_files = [Path(tokenizer_dir) / f for f in TOKENIZER_FILES if (Path(tokenizer_dir) / f).is_file()]
+        if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            raise CheckpointError(f"{tokenizer_dir}: no tokenizer.json to copy into the export")
+
+    # Check names and shapes against the model the config describes before writing anything.
+    with torch.device("meta"):
+        expected = Llama(cfg).state_dict()
+    sd = {k: v for k, v in state_dict.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    _check_names_shapes({k: tuple(v.shape) for k, v in sd.items()}, expected, "state_dict")
+    tensors = {to_hf_name(k): sd[k] for k in expected}  # our module order
+
+    out_dtype = dtype or next(iter(tensors.values())).dtype
+    config = hf_config(
+        cfg, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, torch_dtype=_DTYPE_NAMES.get(out_dtype, "float32")
+    )
+    generation = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id)) if v is not None}
+    if pad_id is not None:
+        generation["pad_token_id"] = pad_id
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        shards = _shards(tensors, max_shard_bytes, dtype)
+        weight_map, total = {}, 0
+        for i, names in enumerate(shards):
+            fname = SINGLE_FILE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            # Convert one shard at a time so peak CPU memory is about one shard, not the whole model.
+            part = {n: tensors[n].detach().to("cpu", dtype or tensors[n].dtype).contiguous() for n in names}
+            save_file(part, tmp / fname, metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in part.values())
+            weight_map.update(dict.fromkeys(names, fname))
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        for f in tok_files:
+            shutil.copy2(f, tmp / f.name)
+        if tok_files and not (tmp / "tokenizer_config.json").exists():
+            # Without it AutoTokenizer would pick LlamaTokenizerFast, which adds its own special tokens.
+            tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len}
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        if out_dir.exists():  # empty, or overwrite=True: swap, then drop the old one
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# --- load ------------------------------------------------------------------------------------------
+
+
+def _check_names_shapes(
+    found: dict[str, tuple], expected: dict[str, torch.Tensor], source: str, files: dict | None = None
+) -> None:
+    """CheckpointError listing missing, unexpected and mis-shaped tensors (our names) in `source`;
+    `files` (name -> path) adds the file each unexpected or mis-shaped tensor came from."""
+
+    def at(k):
+        return f" in {Path(files[k]).name}" if files else ""
+
+    missing = [k for k in expected if k not in found]
+    unexpected = [k + at(k) for k in found if k not in expected]
+    misshaped = [
+        f"{k} {list(found[k])}{at(k)} (config expects {list(expected[k].shape)})"
+        for k in found
+        if k in expected and tuple(found[k]) != tuple(expected[k].shape)
+    ]
+
+    def fmt(names):
+        return ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {fmt(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {fmt(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors: {fmt(misshaped)}")
+    if problems:
+        raise CheckpointError(
+            f"{source} does not match the model config: " + "; ".join(problems) + ". "
+            "Check that config.json belongs to these weights."
+        )
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    if (folder / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{folder / INDEX_FILE}: not a valid safetensors index ({e})") from e
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{folder / INDEX_FILE} lists shards that are not in {folder}: {absent}")
+        return files
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    hint = (
+        " (pytorch_model.bin is not supported: re-save with safe_serialization)"
+        if any(folder.glob("pytorch_model*.bin"))
+        else ""
+    )
+    raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} with the weights{hint}")
+
+
+def load_hf(path, *, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[Llama, ModelConfig]:
+    """Load a Hugging Face `LlamaForCausalLM` folder into our Llama on `device` in `dtype`.
+
+    Tensors are read one at a time from memory-mapped safetensors straight into the materialised model,
+    so peak memory is the model plus one tensor. Tied checkpoints that still carry lm_head.weight are
+    accepted (the copy is ignored, as transformers does).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder; expected a Hugging Face model folder")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder}: no config.json; expected a Hugging Face model folder")
+    try:
+        d = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from e
+    cfg = model_config_from_hf(d, config_file)
+    files = _weight_files(folder)
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to(dtype=dtype)
+    model.to_empty(device=device)
+    model.init_buffers()
+    params = model.state_dict()
+
+    # Pass 1: headers only, so every problem is reported at once before any copying.
+    found, where = {}, {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt", device="cpu") as sf:
+                for hf_key in sf.keys():
+                    name = from_hf_name(hf_key)
+                    if cfg.tie_embeddings and name == "lm_head.weight":
+                        continue
+                    found[name] = tuple(sf.get_slice(hf_key).get_shape())
+                    where[name] = f
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(
+                f"{f}: cannot read safetensors file ({e}); it is truncated or corrupt: re-export or re-download it"
+            ) from e
+    _check_names_shapes(found, params, str(folder), where)
+
+    # Pass 2: copy tensor by tensor (copy_ casts to the model dtype and moves to its device).
+    with torch.no_grad():
+        for f in files:
+            try:
+                with safe_open(f, framework="pt", device="cpu") as sf:
+                    for hf_key in sf.keys():
+                        name = from_hf_name(hf_key)
+                        if where.get(name) == f:
+                            params[name].copy_(sf.get_tensor(hf_key))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(
+                    f"{f}: cannot read tensor data ({e}); it is truncated or corrupt: re-export or re-download it"
+                ) from e
+    return model, cfg

@@ -1,0 +1,289 @@
+"""A dense Llama-family decoder (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`) in plain PyTorch.
+
+Module names mirror Hugging Face's `LlamaModel`, so our state_dict keys are HF's without the `model.`
+prefix (see `ladle.models.hf`). RoPE uses HF's rotate_half layout, so HF checkpoints load unpermuted.
+
+Conventions a caller must know:
+- Tied embeddings: there is no `lm_head` module; the head is `F.linear(x, embed_tokens.weight)` and the
+  state_dict has no `lm_head.weight` key (as in HF checkpoints).
+- `rotary_emb.inv_freq` is a non-persistent fp32 buffer: not in the state_dict, recomputed by
+  `init_buffers()` (called by `init_weights()` and `build_model`). Call it again after `model.to(bf16)`,
+  which would otherwise round the frequencies to bf16.
+- Logits come out in the compute dtype (fp32 params -> fp32; bf16 params or autocast -> bf16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ladle.config.schema import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the scale, exactly as HF does (bit-compatible in bf16).
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """(head_size/2,) fp32 inverse frequencies; Llama-3.1 scaling as transformers' `_compute_llama3_parameters`."""
+    d = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_freq_wavelen = s.original_max_seq_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed down by `factor`, short ones kept, the band between
+    # interpolated smoothly.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Angles in fp32 even under autocast: bf16 positions * freqs lose whole radians at long range.
+        with torch.autocast(positions.device.type, enabled=False):
+            freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, D/2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D), HF's rotate_half layout
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (B, H, T, D); cos/sin (B, T, D) -> broadcast over heads
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated keys/values for generation, one (B, n_kv_heads, max_len, head_dim) pair per layer.
+
+    `doc_ids` (B, max_len) holds the document id of every cached key, so the same doc_ids mask that
+    separates packed documents also hides left padding (pads: id 0, real tokens: id 1). `length` is the
+    number of filled slots; `Llama.forward` writes at [length, length + T) and then advances it.
+    """
+
+    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, device=None, dtype=torch.float32):
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.doc_ids = torch.zeros(batch, max_len, device=device, dtype=torch.long)
+        self.length = 0
+        self.max_len = max_len
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v (B, K, T, D) for `layer`; return all cached ones (B, K, length + T, D)."""
+        start, end = self.length, self.length + k.shape[2]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_size
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(cfg.dim, H * D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, K * D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, K * D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(H * D, cfg.dim, bias=False)
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k, before RoPE
+            self.q_norm = RMSNorm(D, cfg.norm_eps)
+            self.k_norm = RMSNorm(D, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, layer: int = 0):
+        B, T, _ = x.shape
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D)
+        k = self.k_proj(x).view(B, T, K, D)
+        v = self.v_proj(x).view(B, T, K, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, K, S, D), S = cached + T
+            k, v = k.to(q.dtype), v.to(q.dtype)  # no-op unless the cache dtype differs (autocast)
+        if K != H:  # grouped-query attention: each kv head serves H/K query heads
+            k = k.repeat_interleave(H // K, dim=1)  # (B, H, S, D)
+            v = v.repeat_interleave(H // K, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attention_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, start: int) -> torch.Tensor:
+    """(B, 1, T, S) bool, True = may attend: key j is at or before query i and in the same document.
+
+    Queries sit at cache slots [start, start + T), keys at [0, S). A query always sees itself (same slot,
+    same doc id), so no row is fully masked and softmax never yields NaN, even for pad tokens.
+    """
+    T, S = doc_q.shape[1], doc_k.shape[1]
+    q_idx = torch.arange(start, start + T, device=doc_q.device)
+    k_idx = torch.arange(S, device=doc_q.device)
+    causal = k_idx[None, :] <= q_idx[:, None]  # (T, S)
+    same_doc = doc_q[:, :, None] == doc_k[:, None, :]  # (B, T, S)
+    return (causal[None] & same_doc)[:, None]  # (B, 1, T, S)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if not cfg.tie_embeddings:  # tied: the head reuses embed_tokens.weight, no separate key
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(cfg)
+        self.init_weights()  # free on the meta device; build_model initialises again after to_empty
+
+    def forward(self, tokens, positions=None, doc_ids=None, cache: KVCache | None = None):
+        """tokens (B, T) -> logits (B, T, vocab).
+
+        positions (B, T): RoPE position of each token (default: 0.., or continuing after the cache).
+        doc_ids (B, T): packed documents; a token attends only to earlier tokens with the same id.
+        cache: generation; this call's keys are appended to it (doc_ids default to 1 there).
+        """
+        B, T = tokens.shape
+        start = cache.length if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        mask = None  # no docs, no cache: plain causal attention, SDPA's fast path
+        if cache is not None:
+            if start + T > cache.max_len:
+                raise ValueError(f"KV cache overflow: {start} cached + {T} new > max_len {cache.max_len}")
+            if doc_ids is None:
+                doc_ids = torch.ones_like(tokens)
+            cache.doc_ids[:, start : start + T] = doc_ids
+            mask = attention_mask(doc_ids, cache.doc_ids[:, : start + T], start)  # (B, 1, T, start + T)
+        elif doc_ids is not None:
+            mask = attention_mask(doc_ids, doc_ids, 0)  # (B, 1, T, T)
+
+        x = self.embed_tokens(tokens)  # (B, T, dim)
+        cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, head_dim) each
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i)
+        x = self.norm(x)
+        if cache is not None:
+            cache.length += T
+        if self.cfg.tie_embeddings:
+            return F.linear(x, self.embed_tokens.weight)  # (B, T, vocab)
+        return self.lm_head(x)  # (B, T, vocab)
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
+        """An empty KV cache; device and dtype default to the model's parameters."""
+        w = self.embed_tokens.weight
+        return KVCache(
+            self.cfg.n_layers, batch, self.cfg.kv_heads, max_len, self.cfg.head_size,
+            device=device or w.device, dtype=dtype or w.dtype,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """(Re)compute the RoPE frequencies in fp32 on the parameters' device (after to_empty or .to(dtype))."""
+        self.rotary_emb.inv_freq = rope_inv_freq(self.cfg, device=self.embed_tokens.weight.device)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """normal(0, init_std) weights; o_proj/down_proj std / sqrt(2 * n_layers), since each layer adds
+        two residual branches (GPT-2); norms 1, biases 0."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, out_std if name.endswith(("o_proj", "down_proj")) else std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+        self.init_buffers()
+
+
+def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
+    """Parameter count from the config alone (equals `sum(p.numel() for p in Llama(cfg).parameters())`).
+
+    exclude_embeddings=True drops the input embedding table but always counts the output head
+    (vocab * dim) once, tied or not: the head is a matmul that costs FLOPs, the lookup is not. This is
+    the N of MFU's 6N FLOPs per token.
+    """
+    D, V, F_, L = cfg.dim, cfg.vocab_size, cfg.ffn_dim, cfg.n_layers
+    H, K, hd = cfg.n_heads, cfg.kv_heads, cfg.head_size
+    attn = D * H * hd + 2 * D * K * hd + H * hd * D  # q, k, v, o
+    if cfg.qkv_bias:
+        attn += H * hd + 2 * K * hd
+    if cfg.qk_norm:
+        attn += 2 * hd
+    layer = attn + 3 * D * F_ + 2 * D  # + SwiGLU + two norms
+    embed, head = V * D, V * D
+    body = L * layer + D  # + final norm
+    if exclude_embeddings:
+        return body + head
+    return embed + body + (0 if cfg.tie_embeddings else head)
+
+
+def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, init: bool = True) -> Llama:
+    """Build on the meta device (no memory, no wasted init), materialise on `device` in `dtype`, then
+    initialise with the caller's torch RNG. init=False leaves the weights uninitialised for a loader."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to(dtype=dtype)
+    model.to_empty(device=device)
+    if init:
+        model.init_weights()
+    else:
+        model.init_buffers()
+    return model

@@ -1,0 +1,110 @@
+"""Pretraining: next-token prediction on packed, document-aware sequences of prepared data."""
+
+from __future__ import annotations
+
+import torch
+
+from ladle import device as dev
+from ladle import distributed as dist
+from ladle.config import LadleConfig
+from ladle.config.checks import check_all
+from ladle.data.loader import BatchLayout, PackedSamples, PretrainLoader, eval_batch_count, eval_batches
+from ladle.data.prepare import open_split
+from ladle.models.llama import build_model, count_params
+from ladle.train.loop import Trainer
+from ladle.train.metrics import flops_per_token
+from ladle.train.run import RunDir, resolve_resume, throughput_summary
+
+
+def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -> Trainer:
+    run = RunDir(cfg, device, recipe="pretrain", resume=resume)
+    t = cfg.train
+    layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, dist.rank(), dist.world_size())
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
+    model = build_model(cfg.model, device=device, dtype=param_dtype)
+    n_params = count_params(cfg.model)
+    n_no_embed = count_params(cfg.model, exclude_embeddings=True)
+    m = cfg.model
+    fpt = flops_per_token(n_no_embed, m.n_layers, m.n_heads, m.head_size, cfg.data.seq_len)
+
+    train = PackedSamples(open_split(cfg.data.path, "train"), cfg.data.seq_len, "train")
+    loader = PretrainLoader(train, layout, seed=cfg.seed, device=device, prefetch=cfg.data.prefetch)
+    val = PackedSamples(open_split(cfg.data.path, "val"), cfg.data.seq_len, "val")
+    n_eval = eval_batch_count(val, layout, t.eval_steps)
+    evaluate = (lambda: eval_batches(val, layout, t.eval_steps, device)) if n_eval else None
+
+    trainer = Trainer(cfg, run, model, loader, flops_per_token=fpt, eval_batches=evaluate)
+    run.events(
+        f"model: {n_params:,} parameters ({n_no_embed:,} without the input embedding); "
+        f"{len(train):,} train samples of {cfg.data.seq_len} tokens, {len(val):,} validation samples; "
+        f"device {device} ({dev.device_name(device)}), world size {dist.world_size()}"
+    )
+    if t.eval_steps and not n_eval:
+        run.events(
+            f"no validation: the val split has {len(val)} samples, fewer than one batch of "
+            f"{t.micro_batch_size * dist.world_size()}; prepare with --val-fraction to hold some out",
+            level="warning",
+        )
+    run.write_card(
+        status="running",
+        parameters=n_params,
+        parameters_without_embedding=n_no_embed,
+        flops_per_token=fpt,
+        mfu_peak_tflops=trainer.peak_tflops,
+        mfu_peak_source=trainer.peak_source,
+        tokenizer_hash=found["tokenizer"].hash,
+        data={"path": cfg.data.path, "train_samples": len(train), "val_samples": len(val)},
+    )
+    if resume is not None:
+        trainer.resume_from(resume)
+    return trainer
+
+
+def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
+    """A generated continuation of `sample.prompt`: the demo's proof that the model learned."""
+    from ladle.generation import generate
+
+    s = cfg.sample
+    if not s.prompt or s.max_new_tokens == 0:
+        return None
+    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    ids = tok.encode(s.prompt)
+    out = generate(
+        model, [ids], max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+        eos_id=tok.eos_id, generator=g,
+    )[0]
+    return s.prompt + tok.decode(out)
+
+
+def run(cfg: LadleConfig) -> str:
+    found = check_all(cfg)  # tokenizer and data, before anything is written
+    resume = resolve_resume(cfg)
+    device = dev.pick_device(cfg.train.device, dist.local_rank())
+    dev.set_device(device)
+    dist.init(device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    trainer = build_trainer(cfg, device, found, resume)
+    run_dir = trainer.run
+    status = trainer.fit()
+    final = {"status": status, "step": trainer.step, "tokens_seen": trainer.tokens_seen}
+    if trainer.last_record:
+        final["train_loss"] = trainer.last_record["loss"]
+    if trainer.last_val:
+        final["val_loss"] = trainer.last_val["val_loss"]
+        final["val_ppl"] = trainer.last_val["val_ppl"]
+    if dist.is_main() and status == "completed":
+        text = sample_text(cfg, trainer.model, found["tokenizer"], device)
+        if text is not None:
+            final["sample"] = text
+            run_dir.console.rule("sample")
+            run_dir.console.print(text, markup=False, highlight=False)
+            run_dir.console.rule()
+    run_dir.write_card(
+        status=status, final=final, throughput=throughput_summary(run_dir.dir),
+        ended=__import__("time").strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    run_dir.events(f"run {status} at step {trainer.step}; results in {run_dir.dir}")
+    return status

@@ -1,0 +1,76 @@
+"""Models out of training checkpoints: for `ladle export hf`, `ladle generate` and evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from ladle.config import ModelConfig
+from ladle.errors import CheckpointError
+from ladle.train.checkpoint import STATE_FILE, latest_checkpoint, load_model_weights
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, from itself, a run directory (its latest) or a `checkpoints/latest` file."""
+    p = Path(path)
+    if (p / STATE_FILE).is_file():
+        return p
+    if p.is_file() and p.name == "latest":
+        p = p.parent.parent
+    found = latest_checkpoint(p)
+    if found is not None:
+        return found
+    raise CheckpointError(
+        f"{path} is not a ladle checkpoint (no {STATE_FILE}) nor a run directory with checkpoints/latest"
+    )
+
+
+def checkpoint_config(ckpt: Path) -> dict:
+    f = ckpt / "config.yaml"
+    if not f.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} has no config.yaml; it was not written by ladle")
+    return yaml.safe_load(f.read_text())
+
+
+def load_checkpoint_model(path: str | Path, device="cpu", dtype=torch.float32):
+    """(model, model config, resolved run config dict) from a training checkpoint."""
+    from ladle.models.llama import build_model
+
+    ckpt = resolve_checkpoint(path)
+    run_cfg = checkpoint_config(ckpt)
+    mcfg = ModelConfig.model_validate(run_cfg["model"])
+    model = build_model(mcfg, device=device, dtype=dtype, init=False)
+    load_model_weights(ckpt, model)
+    return model.eval(), mcfg, run_cfg
+
+
+def load_any_model(path: str | Path, device="cpu", dtype=torch.float32, tokenizer: str | None = None):
+    """A training checkpoint (or run directory) or a Hugging Face folder -> (model, tokenizer)."""
+    from ladle.models.hf import load_hf
+    from ladle.tokenizer import load_tokenizer
+
+    p = Path(path)
+    if (p / "config.json").is_file():
+        model, _ = load_hf(p, device=device, dtype=dtype)
+        tok_dir = tokenizer or p
+    else:
+        model, _, run_cfg = load_checkpoint_model(p, device=device, dtype=dtype)
+        tok_dir = tokenizer or run_cfg["tokenizer"]["path"]
+    return model.eval(), load_tokenizer(tok_dir)
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32", max_shard_gb: float = 5.0) -> Path:
+    from ladle.models.hf import save_hf
+    from ladle.tokenizer import load_tokenizer
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model, mcfg, run_cfg = load_checkpoint_model(checkpoint)
+    tok_dir = run_cfg["tokenizer"]["path"]
+    tok = load_tokenizer(tok_dir)
+    save_hf(
+        model.state_dict(), mcfg, out, tokenizer_dir=tok_dir, max_shard_bytes=int(max_shard_gb * 2**30),
+        dtype=torch_dtype, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
+    )
+    return Path(out)

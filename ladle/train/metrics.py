@@ -1,0 +1,106 @@
+"""What a run records: `metrics.jsonl`, `events.log`, the console line and progress bar, and MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ladle import distributed as dist
+
+
+def flops_per_token(n_params_no_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls with weights (forward + backward) plus
+    12·L·H·Q·T for attention scores and values (PaLM, appendix B), N without the input embedding."""
+    return 6 * n_params_no_embedding + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+class EventLog:
+    """`events.log`: human-readable notable events of every rank, each line tagged with its rank."""
+
+    def __init__(self, run_dir: Path, console: Console | None = None, echo: bool = True):
+        self.path = Path(run_dir) / "events.log"
+        self.console = console
+        self.echo = echo and dist.is_main()
+
+    def __call__(self, msg: str, *, level: str = "info") -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        line = f"{stamp} [rank {dist.rank()}] {level.upper()}: {msg}\n"
+        with open(self.path, "a") as f:
+            f.write(line)
+        if self.echo:
+            style = {"warning": "yellow", "error": "bold red"}.get(level, "dim")
+            (self.console or Console(stderr=True)).print(f"[{style}]{msg}[/{style}]", highlight=False)
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to `metrics.jsonl` (rank 0 only)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = dist.is_main()
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def format_line(r: dict) -> str:
+    parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss nan"]
+    parts += [f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}" if r.get("grad_norm") is not None else "gnorm nan"]
+    parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"mfu {100 * r['mfu']:.1f}%", f"step {r['step_s'] * 1000:.0f}ms"]
+    parts.append(f"data {r['data_s'] * 1000:.0f}ms")
+    if r.get("loss_scale") is not None:
+        parts.append(f"scale {r['loss_scale']:.0f}")
+    return " | ".join(parts)
+
+
+class ConsoleProgress:
+    """A rich progress bar with ETA (on a terminal) and a console line every `log_every` steps."""
+
+    def __init__(self, total_steps: int, start_step: int, console: Console):
+        self.console = console
+        self.enabled = dist.is_main()
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[loss]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not (self.enabled and console.is_terminal),
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, loss="")
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+
+    def update(self, step: int, loss: float | None) -> None:
+        self.progress.update(self.task, completed=step, loss=f"loss {loss:.4f}" if loss is not None else "")
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
+
+
+def make_console() -> Console:
+    return Console(file=sys.stdout, soft_wrap=True)

@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny tokenizer and prepared data built once per session from real text
+(a slice of the Python standard library, present wherever Python is)."""
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+CORPUS_FILES = ["argparse.py", "textwrap.py", "shlex.py", "fractions.py", "glob.py", "heapq.py", "bisect.py"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Identical math in every test whatever the machine, and faster for tiny models, whose ops
+    # are too small to split across threads.
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    for name in CORPUS_FILES:
+        (d / name).write_bytes((STDLIB / name).read_bytes())
+    return d
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(corpus, tmp_path_factory) -> Path:
+    from ladle.tokenizer import train_tokenizer
+
+    return train_tokenizer([str(corpus)], vocab_size=512, output=str(tmp_path_factory.mktemp("tok") / "tok"))
+
+
+@pytest.fixture(scope="session")
+def data_dir(corpus, tokenizer_dir, tmp_path_factory) -> Path:
+    from ladle.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("data") / "data"
+    prepare([str(corpus)], tokenizer=str(tokenizer_dir), output=str(out), workers=1, val_fraction=0.3,
+            seed=1, progress=False)
+    return out
+
+
+@pytest.fixture
+def tiny_config(tokenizer_dir, data_dir, tmp_path):
+    """A config dict for a model of a few thousand parameters that trains in milliseconds a step."""
+    return {
+        "output_dir": str(tmp_path / "run"),
+        "seed": 7,
+        "model": {"vocab_size": 512, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+                  "max_seq_len": 64},
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "data": {"path": str(data_dir), "seq_len": 32},
+        "optim": {"lr": 3e-3},
+        "scheduler": {"name": "cosine", "warmup_steps": 2},
+        "train": {"max_steps": 20, "micro_batch_size": 2, "grad_accum_steps": 2, "log_every": 1, "eval_every": 5,
+                  "eval_steps": 2},
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"every": 5, "keep_last": 2},
+        "sample": {"prompt": "def ", "max_new_tokens": 4},
+    }

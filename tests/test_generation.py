@@ -1,0 +1,107 @@
+import math
+
+import torch
+
+from ladle.config.schema import ModelConfig
+from ladle.generation import filter_logits, generate, sample_next
+from ladle.models.llama import build_model
+
+PROMPTS = [[5, 17, 3, 88, 41, 2, 60], [9, 30, 72]]
+
+
+def tiny_model(**kw):
+    torch.manual_seed(0)
+    base = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, init_std=0.2)
+    return build_model(ModelConfig(**{**base, **kw})).eval()
+
+
+def test_greedy_matches_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ladle.models.hf import hf_config, to_hf_name
+
+    model = tiny_model()
+    ours = generate(model, PROMPTS, max_new_tokens=12)
+    # Each prompt alone gives the same tokens: left padding and the pad mask change nothing.
+    for p, o in zip(PROMPTS, ours, strict=True):
+        assert generate(model, [p], max_new_tokens=12) == [o]
+
+    hf_cfg = LlamaConfig(**hf_config(model.cfg, pad_id=0))
+    hf_cfg._attn_implementation = "sdpa"
+    hf = LlamaForCausalLM(hf_cfg).eval()
+    hf.load_state_dict({to_hf_name(k): v for k, v in model.state_dict().items()})
+    P = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    assert out[:, P:].tolist() == ours
+
+
+def test_cache_logits_equal_full_recompute():
+    model = tiny_model()
+    tokens = torch.randint(0, 97, (2, 10))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache(2, 16)
+        parts = [model(tokens[:, :6], cache=cache)]
+        parts += [model(tokens[:, t : t + 1], cache=cache) for t in range(6, 10)]
+    assert cache.length == 10
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_top_k_1_equals_greedy():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    greedy = generate(model, PROMPTS, max_new_tokens=8)
+    assert generate(model, PROMPTS, max_new_tokens=8, temperature=1.5, top_k=1, generator=g) == greedy
+
+
+def test_sampling_is_seeded():
+    model = tiny_model()
+    a = generate(
+        model, PROMPTS, max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(1)
+    )
+    b = generate(
+        model, PROMPTS, max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(1)
+    )
+    assert a == b
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])  # sorted: 0.5, 0.3, 0.15, 0.05
+    logits = probs.log()
+
+    def kept(p):
+        return set(torch.isfinite(filter_logits(logits, top_p=p))[0].nonzero().flatten().tolist())
+
+    assert kept(0.4) == {1}
+    assert kept(0.7) == {1, 3}
+    assert kept(0.9) == {1, 3, 0}
+    assert kept(0.97) == {0, 1, 2, 3}
+    assert kept(1.0) == {0, 1, 2, 3}
+    assert kept(1e-9) == {1}  # the most likely token always survives
+    assert set(torch.isfinite(filter_logits(logits, top_k=2))[0].nonzero().flatten().tolist()) == {1, 3}
+    # Renormalised sampling only ever picks kept tokens.
+    g = torch.Generator().manual_seed(0)
+    picks = {sample_next(logits.expand(200, 4), 1.0, 0, 0.7, g)[i].item() for i in range(200)}
+    assert picks == {1, 3}
+    assert math.isclose(filter_logits(logits, top_p=0.7).softmax(-1)[0, 1].item(), 0.5 / 0.8, rel_tol=1e-5)
+
+
+def test_eos_stops_sequence():
+    model = tiny_model()
+    free = generate(model, PROMPTS, max_new_tokens=10)
+    eos = free[0][3]
+    out = generate(model, PROMPTS, max_new_tokens=10, eos_id=eos)
+    cut = free[0].index(eos)
+    assert out[0] == free[0][: cut + 1]
+    stop1 = free[1].index(eos) + 1 if eos in free[1] else 10
+    assert out[1] == free[1][:stop1]

@@ -1,0 +1,241 @@
+"""The pretrain recipe end to end on a tiny model: resume equivalence, signals, guards, precision,
+checkpoint safety, and the run directory's files."""
+
+import errno
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ladle.cli import main
+from ladle.config.load import build_config
+from ladle.errors import CheckpointError, ConfigError, DataError
+from ladle.recipes import pretrain
+from ladle.train.checkpoint import latest_checkpoint
+from ladle.train.metrics import read_metrics
+
+DESIGN_FIELDS = {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_s", "data_s",
+                 "fwd_bwd_s", "optim_s", "mem_peak_bytes"}
+
+
+def run(cfg_dict, *overrides):
+    return pretrain.run(build_config(cfg_dict, list(overrides)))
+
+
+def losses(run_dir):
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir) if "loss" in r}
+
+
+def val_losses(run_dir):
+    return {r["step"]: r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r}
+
+
+def test_resume_gives_identical_losses(tiny_config, tmp_path):
+    full = tmp_path / "full"
+    assert run(tiny_config, f"output_dir={full}") == "completed"
+    split = tmp_path / "split"
+    assert run(tiny_config, f"output_dir={split}", "train.exit_at_step=10") == "exit"
+    assert latest_checkpoint(split).name == "step_00000010"
+    assert run(tiny_config, f"output_dir={split}", "train.resume=auto") == "completed"
+    a, b = losses(full), losses(split)
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    assert a == b  # bit-identical: same weights, optimizer state, schedule and samples
+    assert val_losses(full) == val_losses(split)
+    assert a[20][0] < a[1][0]
+
+
+def test_metrics_run_card_and_checkpoint_layout(tiny_config):
+    run(tiny_config)
+    out = Path(tiny_config["output_dir"])
+    recs = read_metrics(out)
+    steps = [r for r in recs if "loss" in r]
+    assert len(steps) == 20 and DESIGN_FIELDS <= set(steps[0])
+    assert steps[-1]["tokens"] == 20 * 2 * 2 * 32
+    assert all(r["data_s"] >= 0 and r["mfu"] > 0 for r in steps)
+    assert [r["step"] for r in recs if "val_loss" in r] == [5, 10, 15, 20]
+    card = json.loads((out / "run_card.json").read_text())
+    assert card["status"] == "completed" and card["world_size"] == 1
+    assert len(card["config_hash"]) == 64 and "measured" in card["mfu_peak_source"]
+    assert card["final"]["step"] == 20 and "val_loss" in card["final"] and "sample" in card["final"]
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["latest", "step_00000015", "step_00000020"]  # keep_last=2
+    step = out / "checkpoints" / "step_00000020"
+    assert {"trainer_state.json", "config.yaml", "rng", ".metadata"} <= {p.name for p in step.iterdir()}
+    state = json.loads((step / "trainer_state.json").read_text())
+    assert state["step"] == 20 and state["data"]["consumed_samples"] == 20 * 4
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["max_steps"] == 20
+    assert "checkpoint saved: step 20" in (out / "events.log").read_text()
+
+
+def test_gradient_accumulation_matches_a_single_big_batch(tiny_config, tmp_path):
+    run(tiny_config, f"output_dir={tmp_path / 'a'}", "train.micro_batch_size=4", "train.grad_accum_steps=1",
+        "train.max_steps=3", "train.eval_steps=0")
+    run(tiny_config, f"output_dir={tmp_path / 'b'}", "train.micro_batch_size=1", "train.grad_accum_steps=4",
+        "train.max_steps=3", "train.eval_steps=0")
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    for s in a:
+        assert a[s][0] == pytest.approx(b[s][0], rel=1e-5)
+        assert a[s][1] == pytest.approx(b[s][1], rel=1e-4)
+
+
+def test_refuses_to_start_over_a_runs_checkpoints(tiny_config):
+    run(tiny_config, "train.max_steps=3", "scheduler.warmup_steps=1")
+    out = Path(tiny_config["output_dir"])
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(ConfigError, match="already holds checkpoints .* set train.resume=auto"):
+        run(tiny_config, "train.max_steps=3", "scheduler.warmup_steps=1", "optim.lr=1e-3")
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_resume_refuses_another_model_shape(tiny_config):
+    run(tiny_config, "train.max_steps=3", "scheduler.warmup_steps=1")
+    with pytest.raises(CheckpointError, match=r"model differs in model.dim \(32 there, 64 here\)"):
+        run(tiny_config, "train.max_steps=6", "scheduler.warmup_steps=1", "train.resume=auto", "model.dim=64")
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tiny_config, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+    calls = {"n": 0}
+
+    def flaky_save(state, checkpoint_id):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second save: write part of it, then the disk is full
+            real_save({"model": state["model"]}, checkpoint_id=checkpoint_id)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(dcp, "save", flaky_save)
+    with pytest.raises(CheckpointError, match="No space left on device.*step_00000005 is intact"):
+        run(tiny_config)
+    out = Path(tiny_config["output_dir"])
+    assert latest_checkpoint(out).name == "step_00000005"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000005"]
+    monkeypatch.setattr(dcp, "save", real_save)
+    assert run(tiny_config, "train.resume=auto") == "completed"  # and it resumes from there
+
+
+def test_async_checkpoints_complete_and_resume(tiny_config, tmp_path):
+    assert run(tiny_config, "checkpoint.async_save=true", "train.exit_at_step=10") == "exit"
+    out = Path(tiny_config["output_dir"])
+    assert latest_checkpoint(out).name == "step_00000010"
+    assert "loop stalled" in (out / "events.log").read_text()
+    run(tiny_config, "checkpoint.async_save=true", "train.resume=auto")
+    run(tiny_config, f"output_dir={tmp_path / 'sync'}")
+    assert losses(out) == losses(tmp_path / "sync")
+
+
+def test_non_finite_loss_never_reaches_the_weights(tiny_config):
+    from ladle import device as dev
+    from ladle import distributed as dist
+    from ladle.config.checks import check_all
+    from ladle.train import loop
+
+    cfg = build_config(tiny_config, ["train.eval_steps=0", "checkpoint.every=0"])
+    cpu = torch.device("cpu")
+    dist.init(cpu)
+    trainer = pretrain.build_trainer(cfg, cpu, check_all(cfg), None)
+    calls = {"n": 0}
+    weights = {}
+
+    def nan_from_step_three(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 5:  # the first microbatch of step 3: keep the weights after step 2
+            weights.update({k: v.clone() for k, v in model.state_dict().items()})
+        loss = loop.causal_lm_loss(model, batch)
+        return loss * float("nan") if calls["n"] > 4 else loss  # 2 microbatches a step
+
+    trainer.loss_fn = nan_from_step_three
+    with pytest.raises(loop.TrainingDiverged, match="3 non-finite steps in a row, the last at step 5"):
+        trainer.fit()
+    trainer.loader.close()
+    assert dev.synchronize(cpu) is None and weights
+    after = trainer.model.state_dict()
+    assert all(torch.equal(weights[k], after[k]) for k in weights)  # no update from a bad step
+    events = (Path(cfg.output_dir) / "events.log").read_text()
+    assert "step 3: non-finite loss (nan)" in events and "update skipped (1/3 in a row)" in events
+    assert "update skipped (3/3 in a row)" in events
+
+
+@pytest.mark.parametrize("mode", ["bf16-mixed", "fp16-mixed", "bf16"])
+def test_precision_modes_train(tiny_config, mode):
+    # fp16 matmuls on the CPU run on slow reference kernels: keep this short
+    run(tiny_config, f"precision.mode={mode}", "train.max_steps=3", "scheduler.warmup_steps=1",
+        "train.eval_every=0", "checkpoint.every=0", "train.grad_accum_steps=1")
+    recs = [r for r in read_metrics(tiny_config["output_dir"]) if "loss" in r]
+    assert len(recs) == 3 and all(r["loss"] is not None for r in recs)
+    if mode == "fp16-mixed":
+        assert recs[0]["loss_scale"] == 2.0**16
+    else:
+        assert "loss_scale" not in recs[0]
+
+
+def test_data_made_with_another_tokenizer_is_refused(tiny_config, corpus, tmp_path):
+    from ladle.tokenizer import train_tokenizer
+
+    other = train_tokenizer([str(corpus)], vocab_size=300, output=str(tmp_path / "other"))
+    with pytest.raises(DataError, match="prepared with a different tokenizer"):
+        run(tiny_config, f"tokenizer.path={other}")
+    assert not Path(tiny_config["output_dir"]).exists()
+
+
+def test_missing_data_says_to_prepare_it(tiny_config, tmp_path):
+    with pytest.raises(DataError, match="run `ladle data prepare` first"):
+        run(tiny_config, f"data.path={tmp_path / 'nope'}")
+
+
+def test_vocab_larger_than_the_model_is_refused(tiny_config):
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(300\) is smaller than the vocabulary"):
+        run(tiny_config, "model.vocab_size=300")
+
+
+def _write_config(cfg_dict, path, **train):
+    cfg = json.loads(json.dumps(cfg_dict))
+    cfg["train"].update(train)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_resume_continues_exactly(tiny_config, tmp_path):
+    cfg_file = _write_config(tiny_config, tmp_path / "c.yaml", max_steps=20)
+    full = tmp_path / "full"
+    assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={full}"]) == 0
+    out = tmp_path / "term"
+    cmd = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(cfg_file), f"output_dir={out}",
+           "checkpoint.every=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    metrics = out / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, text
+    stopped = latest_checkpoint(out)
+    assert stopped is not None and "stopped at step" in text and "SIGTERM" in text
+    k = int(stopped.name.split("_")[1])
+    assert 1 <= k < 20
+    assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={out}", "checkpoint.every=0",
+                 "train.resume=auto"]) == 0
+    assert losses(out) == losses(full)
+
+
+def test_cli_run_exit_codes(tiny_config, tmp_path, capsys):
+    cfg_file = _write_config(tiny_config, tmp_path / "c.yaml", max_steps=2)
+    assert main(["run", "pretrain", "--config", str(cfg_file), "scheduler.warmup_steps=1"]) == 0
+    assert main(["run", "pretrain", "--config", str(cfg_file), "scheduler.warmup_steps=1"]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert main(["run", "pretrian", "--config", str(cfg_file)]) == 2
+    assert "did you mean 'pretrain'" in capsys.readouterr().err
+    assert main(["validate", "--config", str(cfg_file), "model.n_head=2"]) == 2
+    assert "did you mean 'model.n_heads'" in capsys.readouterr().err
+    assert main(["validate", "--config", str(cfg_file), "scheduler.warmup_steps=1"]) == 0
+    assert "max_steps: 2" in capsys.readouterr().out
