@@ -1,0 +1,138 @@
+"""`ladle data inspect`: what is in a prepared data folder, at a glance.
+
+Per split: documents, tokens, shards, and a histogram of document lengths in log2 buckets. For the train
+split: the unigram entropy of its tokens in nats per token (how much a model that ignores context
+would pay; a sanity check that the data is not degenerate), and decoded samples when a tokenizer is at
+hand.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ladle.data.prepare import SPLITS, TokenStream, load_meta, open_split
+from ladle.tokenizer import Tokenizer, load_tokenizer
+
+ENTROPY_CHUNK = 1 << 24  # tokens per np.bincount call: bounded memory on any split size
+SAMPLE_CHARS = 200
+
+
+def inspect_data(
+    data_dir: str | os.PathLike, *, samples: int = 2, tokenizer: str | os.PathLike | Tokenizer | None = None
+) -> dict:
+    """A report dict on the data folder (see `format_inspect`). `tokenizer` defaults to the one named
+    in meta.json, when it still exists; without one there are no samples."""
+    path = Path(data_dir)
+    meta = load_meta(path) if (path / "meta.json").is_file() else None
+    report: dict = {"path": str(path), "meta": meta, "splits": {}, "notes": [], "samples": []}
+    streams = {}
+    for split in SPLITS:
+        stream = open_split(path, split)
+        if not stream.num_documents:
+            continue
+        streams[split] = stream
+        report["splits"][split] = {
+            "documents": stream.num_documents,
+            "tokens": stream.num_tokens,
+            "shards": len(stream.prefixes),
+            "mean_length": stream.num_tokens / max(stream.num_documents, 1),
+            "length_histogram": length_histogram(stream.doc_lengths),
+        }
+    train = streams.get("train")
+    if train is None:  # a tiny corpus can land entirely in val
+        report["unigram_entropy_nats"], report["distinct_tokens"] = 0.0, 0
+        report["notes"].append("the train split is empty")
+        return report
+    vocab = meta["vocab_size"] if meta else None
+    report["unigram_entropy_nats"], report["distinct_tokens"] = unigram_entropy(train, vocab)
+
+    tok = _pick_tokenizer(tokenizer, meta, report["notes"])
+    if tok is not None:
+        for i in range(min(samples, train.num_documents)):
+            start, length = int(train.doc_starts[i]), int(train.doc_lengths[i])
+            # Decode a prefix only: enough tokens for SAMPLE_CHARS characters in any sane tokenizer.
+            ids = train.read(start, start + min(length, SAMPLE_CHARS))
+            report["samples"].append(
+                {"document": i, "tokens": length, "text": tok.decode(ids)[:SAMPLE_CHARS]}
+            )
+    return report
+
+
+def length_histogram(lengths: np.ndarray) -> list[dict]:
+    """Document counts in buckets [2**k, 2**(k+1)), from the shortest to the longest document."""
+    if lengths.size == 0:
+        return []
+    buckets = np.floor(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+    counts = np.bincount(buckets)
+    low = int(buckets.min())
+    return [
+        {"min": 2**k, "max": 2 ** (k + 1) - 1, "documents": int(counts[k])} for k in range(low, counts.size)
+    ]
+
+
+def unigram_entropy(stream: TokenStream, vocab_size: int | None = None) -> tuple[float, int]:
+    """Entropy (nats per token) of the token frequencies of `stream`, and how many distinct ids occur."""
+    counts = np.zeros(vocab_size or 0, dtype=np.int64)
+    for start in range(0, stream.num_tokens, ENTROPY_CHUNK):
+        chunk = np.bincount(stream.read(start, min(start + ENTROPY_CHUNK, stream.num_tokens)))
+        if chunk.size > counts.size:  # no vocab_size known (Megatron data), or an id beyond it
+            counts = np.pad(counts, (0, chunk.size - counts.size))
+        counts[: chunk.size] += chunk
+    total = counts.sum()
+    if total == 0:
+        return 0.0, 0
+    p = counts[counts > 0] / total
+    return float(-(p * np.log(p)).sum()), int(p.size)
+
+
+def _pick_tokenizer(tokenizer, meta: dict | None, notes: list[str]) -> Tokenizer | None:
+    if isinstance(tokenizer, Tokenizer):
+        tok = tokenizer
+    elif tokenizer is not None:
+        tok = load_tokenizer(tokenizer)
+    elif meta and (Path(meta["tokenizer_path"]) / "tokenizer.json").is_file():
+        tok = load_tokenizer(meta["tokenizer_path"])
+    else:
+        if meta:
+            notes.append(f"tokenizer {meta['tokenizer_path']} not found: no decoded samples")
+        return None
+    if meta and tok.hash != meta["tokenizer_hash"]:
+        notes.append(f"tokenizer {tok.path} is not the one this data was prepared with (hash differs)")
+    return tok
+
+
+def format_inspect(report: dict) -> str:
+    """The report as console text."""
+    meta = report["meta"]
+    lines = [f"data folder {report['path']}"]
+    if meta:
+        lines.append(
+            f"  tokenizer {meta['tokenizer_path']} (vocab {meta['vocab_size']:,}, eos {meta['eos_id']}), "
+            f"dtype {meta['dtype']}, val_fraction {meta['val_fraction']}, seed {meta['seed']}"
+        )
+    else:
+        lines.append("  Megatron indexed data without meta.json (read as a train split, no tokenizer check)")
+    for name, split in report["splits"].items():
+        lines.append(
+            f"  {name}: {split['documents']:,} documents, {split['tokens']:,} tokens in {split['shards']} "
+            f"shard(s), {split['mean_length']:,.1f} tokens per document"
+        )
+        width = max(d["documents"] for d in split["length_histogram"])
+        for bucket in split["length_histogram"]:
+            bar = "#" * round(30 * bucket["documents"] / width)
+            lines.append(f"    {bucket['min']:>9,}-{bucket['max']:<9,} {bucket['documents']:>10,} {bar}")
+    lines.append(
+        f"  train unigram entropy: {report['unigram_entropy_nats']:.3f} nats/token "
+        f"over {report['distinct_tokens']:,} distinct tokens"
+    )
+    if meta and meta["bad_records"]:
+        lines.append(f"  bad records skipped at prepare: {sum(meta['bad_records'].values()):,}")
+        for reason, count in meta["bad_records"].items():
+            lines.append(f"    {reason}: {count:,} (e.g. {', '.join(meta['bad_examples'][reason][:2])})")
+    for sample in report["samples"]:
+        lines.append(f"  document {sample['document']} ({sample['tokens']:,} tokens): {sample['text']!r}")
+    lines.extend(f"  note: {note}" for note in report["notes"])
+    return "\n".join(lines)
