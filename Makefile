@@ -25,6 +25,20 @@ demo: setup $(DEMO)/data/meta.json
 	$(BIN)/ladle run pretrain --config configs/tiny/pretrain.yaml
 	$(BIN)/ladle export hf $(DEMO)/run $(DEMO)/hf
 	$(BIN)/ladle generate --model $(DEMO)/hf --prompt 'def ' --prompt 'import ' --max-new-tokens 48 --temperature 0.8 --top-k 40
+	@$(BIN)/python -c "$$DEMO_SUMMARY"
+
+# The demo's verdict: validation loss against the unigram entropy of the data (a model that
+# learned nothing beyond token frequencies scores the entropy).
+define DEMO_SUMMARY
+import json
+from ladle.data.inspect import inspect_data
+card = json.load(open('$(DEMO)/run/run_card.json'))
+h = inspect_data('$(DEMO)/data', samples=0)['unigram_entropy_nats']
+v = card['final']['val_loss']
+print(f'demo: val_loss {v:.3f} nats/token vs unigram entropy {h:.3f} ({v / h:.0%} of it); '
+      f"{card['throughput']['tokens_per_s_median']:,.0f} tokens/s; run in $(DEMO)/run")
+endef
+export DEMO_SUMMARY
 
 $(DEMO)/tokenizer/tokenizer.json: | setup
 	$(BIN)/ladle tokenizer train $(CORPUS) --vocab-size 4096 --output $(DEMO)/tokenizer

@@ -22,7 +22,8 @@ def _recipe(name: str):
 
         hint = difflib.get_close_matches(name, RECIPES, n=1)
         raise LadleError(
-            f"unknown recipe '{name}'" + (f"; did you mean '{hint[0]}'?" if hint else "")
+            f"unknown recipe '{name}'"
+            + (f"; did you mean '{hint[0]}'?" if hint else "")
             + f" (recipes: {', '.join(RECIPES)})"
         )
     return importlib.import_module(RECIPES[name])
@@ -86,8 +87,12 @@ def _torchrun(args) -> int:
     import subprocess
 
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={args.nproc}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={args.nproc}",
+        f"--nnodes={args.nnodes}",
+        f"--node-rank={args.node_rank}",
         f"--max-restarts={args.max_restarts}",
     ]
     if args.rdzv_endpoint:
@@ -102,8 +107,9 @@ def _torchrun(args) -> int:
 def cmd_tokenizer_train(args) -> int:
     from ladle.tokenizer import load_tokenizer, train_tokenizer
 
-    out = train_tokenizer(args.input, vocab_size=args.vocab_size, output=args.output, glob=args.glob,
-                          exclude=args.exclude)
+    out = train_tokenizer(
+        args.input, vocab_size=args.vocab_size, output=args.output, glob=args.glob, exclude=args.exclude
+    )
     tok = load_tokenizer(out)
     print(f"tokenizer with {tok.vocab_size} tokens written to {out} (sha256 {tok.hash[:12]})")
     return 0
@@ -113,9 +119,17 @@ def cmd_data_prepare(args) -> int:
     from ladle.data.prepare import prepare
 
     prepare(
-        args.input, tokenizer=args.tokenizer, output=args.output, glob=args.glob, exclude=args.exclude,
-        fmt=args.format, text_field=args.text_field, workers=args.workers, val_fraction=args.val_fraction,
-        strict=args.strict, seed=args.seed,
+        args.input,
+        tokenizer=args.tokenizer,
+        output=args.output,
+        glob=args.glob,
+        exclude=args.exclude,
+        fmt=args.format,
+        text_field=args.text_field,
+        workers=args.workers,
+        val_fraction=args.val_fraction,
+        strict=args.strict,
+        seed=args.seed,
     )
     return 0
 
@@ -146,14 +160,23 @@ def cmd_generate(args) -> int:
     model, tok = load_any_model(args.model, tokenizer=args.tokenizer)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
-        raise LadleError("no prompt: pass --prompt TEXT (repeatable) or prompts on standard input, one a line")
+        raise LadleError(
+            "no prompt: pass --prompt TEXT (repeatable) or prompts on standard input, one a line"
+        )
     gen = torch.Generator().manual_seed(args.seed)
     ids = [tok.encode(p) for p in prompts]
     if tok.bos_id is not None and args.add_bos:
         ids = [[tok.bos_id, *x] for x in ids]
     outs = generate(
-        model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, eos_id=tok.eos_id, pad_id=tok.pad_id or 0, generator=gen,
+        model,
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id or 0,
+        generator=gen,
     )
     for prompt, out in zip(prompts, outs, strict=True):
         text = tok.decode(out)
@@ -199,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = tsub.add_parser("train", help="train a byte-level BPE tokenizer")
     t.add_argument("--input", nargs="+", required=True, metavar="PATH")
     t.add_argument("--glob", default=None, help="file-name pattern inside input folders, e.g. '*.py'")
-    t.add_argument("--exclude", nargs="*", default=None, metavar="PATTERN", help="paths to skip, e.g. 'test/*'")
+    t.add_argument(
+        "--exclude", nargs="*", default=None, metavar="PATTERN", help="paths to skip, e.g. 'test/*'"
+    )
     t.add_argument("--vocab-size", type=int, required=True)
     t.add_argument("--output", required=True)
     t.set_defaults(fn=cmd_tokenizer_train)

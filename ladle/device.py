@@ -131,7 +131,9 @@ def compute_dtype_name(precision_mode: str) -> str:
 _measured: dict[tuple[str, str], float] = {}
 
 
-def measure_gemm_tflops(device: torch.device, dtype_name: str, sizes=(1024, 2048), seconds: float = 0.3) -> float:
+def measure_gemm_tflops(
+    device: torch.device, dtype_name: str, sizes=(1024, 2048), seconds: float = 0.3
+) -> float:
     """Measured dense GEMM throughput (TFLOP/s): the best of square matmuls of a few sizes, each
     timed for `seconds`. This is the CPU's 'peak' for MFU, measured once per process."""
     key = (str(device), dtype_name)

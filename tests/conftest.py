@@ -38,8 +38,15 @@ def data_dir(corpus, tokenizer_dir, tmp_path_factory) -> Path:
     from ladle.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("data") / "data"
-    prepare([str(corpus)], tokenizer=str(tokenizer_dir), output=str(out), workers=1, val_fraction=0.3,
-            seed=1, progress=False)
+    prepare(
+        [str(corpus)],
+        tokenizer=str(tokenizer_dir),
+        output=str(out),
+        workers=1,
+        val_fraction=0.3,
+        seed=1,
+        progress=False,
+    )
     return out
 
 
@@ -49,14 +56,27 @@ def tiny_config(tokenizer_dir, data_dir, tmp_path):
     return {
         "output_dir": str(tmp_path / "run"),
         "seed": 7,
-        "model": {"vocab_size": 512, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
-                  "max_seq_len": 64},
+        "model": {
+            "vocab_size": 512,
+            "dim": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "ffn_dim": 64,
+            "max_seq_len": 64,
+        },
         "tokenizer": {"path": str(tokenizer_dir)},
         "data": {"path": str(data_dir), "seq_len": 32},
         "optim": {"lr": 3e-3},
         "scheduler": {"name": "cosine", "warmup_steps": 2},
-        "train": {"max_steps": 20, "micro_batch_size": 2, "grad_accum_steps": 2, "log_every": 1, "eval_every": 5,
-                  "eval_steps": 2},
+        "train": {
+            "max_steps": 20,
+            "micro_batch_size": 2,
+            "grad_accum_steps": 2,
+            "log_every": 1,
+            "eval_every": 5,
+            "eval_steps": 2,
+        },
         "precision": {"mode": "fp32"},
         "checkpoint": {"every": 5, "keep_last": 2},
         "sample": {"prompt": "def ", "max_new_tokens": 4},

@@ -17,15 +17,31 @@ from ladle.errors import ConfigError
 BASE = {
     "tokenizer": {"path": "tok"},
     "data": {"path": "data", "seq_len": 64},
-    "model": {"vocab_size": 512, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
-              "max_seq_len": 128},
+    "model": {
+        "vocab_size": 512,
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "ffn_dim": 128,
+        "max_seq_len": 128,
+    },
     "train": {"max_steps": 10},
 }
 
 
 def test_overrides_are_coerced_to_field_types():
-    cfg = build_config(BASE, ["optim.lr=1e-4", "train.micro_batch_size=3", "optim.betas=[0.8,0.9]",
-                              "model.tie_embeddings=true", "precision.mode=bf16", "output_dir=/tmp/x"])
+    cfg = build_config(
+        BASE,
+        [
+            "optim.lr=1e-4",
+            "train.micro_batch_size=3",
+            "optim.betas=[0.8,0.9]",
+            "model.tie_embeddings=true",
+            "precision.mode=bf16",
+            "output_dir=/tmp/x",
+        ],
+    )
     assert cfg.optim.lr == pytest.approx(1e-4)
     assert cfg.train.micro_batch_size == 3
     assert cfg.optim.betas == (0.8, 0.9)
@@ -60,7 +76,10 @@ def test_unknown_keys_get_a_hint(override, expected):
         ("model.n_kv_heads=3", "n_heads (4) must be divisible by n_kv_heads (3)"),
         ("data.seq_len=256", "data.seq_len (256) exceeds model.max_seq_len (128)"),
         ("optim.lr=-1", "optim.lr: Input should be greater than 0"),
-        ("precision.mode=fp8", "precision.mode: Input should be 'fp32', 'bf16-mixed', 'fp16-mixed' or 'bf16'"),
+        (
+            "precision.mode=fp8",
+            "precision.mode: Input should be 'fp32', 'bf16-mixed', 'fp16-mixed' or 'bf16'",
+        ),
         ("model.dim=abc", "model.dim: Input should be a valid integer"),
         ("scheduler.warmup_steps=10", "scheduler.warmup_steps (10) must be below train.max_steps (10)"),
         ("model.dim=66", "dim (66) must be divisible by n_heads (4)"),
@@ -115,3 +134,30 @@ def test_every_bundled_config_loads():
 def test_unknown_config_file_hints_bundled_name():
     with pytest.raises(ConfigError, match="did you mean the bundled config 'tiny/pretrain'"):
         resolve_config_path("tiny/pretrian")
+
+
+def test_every_key_is_documented():
+    """docs/config.md lists every field of the schema (docs change with the code)."""
+    from pathlib import Path
+
+    from pydantic import BaseModel
+
+    from ladle.config.schema import LadleConfig
+
+    doc = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+
+    def paths(model, prefix=""):
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            subs = [
+                a
+                for a in (ann, *getattr(ann, "__args__", ()))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ]
+            if subs and name != "rope_scaling":
+                yield from paths(subs[0], f"{prefix}{name}.")
+            else:
+                yield prefix + name
+
+    missing = [p for p in paths(LadleConfig) if f"`{p}`" not in doc]
+    assert not missing, f"undocumented config keys: {missing}"

@@ -76,7 +76,9 @@ def test_step_sees_the_same_samples_however_it_is_split():
 
 def loader(consumed=0, seed=0):
     s = PackedSamples(Stream([7, 30, 11, 25, 40, 9]), seq_len=8)
-    return PretrainLoader(s, BatchLayout(2, 2), seed=seed, device=torch.device("cpu"), consumed_samples=consumed)
+    return PretrainLoader(
+        s, BatchLayout(2, 2), seed=seed, device=torch.device("cpu"), consumed_samples=consumed
+    )
 
 
 def test_resumed_loader_continues_with_the_next_samples():

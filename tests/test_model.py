@@ -70,6 +70,40 @@ def test_packed_documents_equal_separate_runs():
     assert not torch.allclose(packed2[5:14], packed[5:14])
 
 
+def test_batch_mixing_packed_and_single_document_rows(monkeypatch):
+    """Rows with a boundary take the masked path, the others the causal fast path: each row still
+    equals its documents run alone, and the gradients agree with an all-masked reference."""
+    from ladle.models.llama import attention_mask
+
+    torch.manual_seed(1)
+    model = build_model(tiny(n_kv_heads=2))
+    T = 12
+    tokens = torch.randint(0, 97, (3, T))
+    doc_ids = torch.tensor([[0] * T, [0] * 7 + [1] * 5, [0] * T])
+    positions = torch.stack([torch.arange(T), torch.cat([torch.arange(7), torch.arange(5)]), torch.arange(T)])
+    out = model(tokens, positions=positions, doc_ids=doc_ids)
+    torch.testing.assert_close(out[0], model(tokens[:1])[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[2], model(tokens[2:])[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, :7], model(tokens[1:2, :7])[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, 7:], model(tokens[1:2, 7:])[0], atol=1e-5, rtol=1e-5)
+
+    out.sum().backward()
+    mixed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    # the reference: one explicit mask for every row
+    import ladle.models.llama as llama
+
+    class AllMasked(llama.PackedMask):
+        def __init__(self, d):
+            self.rows, self.plain = torch.arange(len(d)), torch.arange(0)
+            self.mask = attention_mask(d, d, 0)
+
+    monkeypatch.setattr(llama, "PackedMask", AllMasked)
+    model(tokens, positions=positions, doc_ids=doc_ids).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, mixed[n], atol=1e-5, rtol=1e-4)
+
+
 def test_meta_build_init():
     torch.manual_seed(0)
     cfg = tiny(dim=64, n_layers=2, init_std=0.02)

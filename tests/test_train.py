@@ -20,8 +20,20 @@ from ladle.recipes import pretrain
 from ladle.train.checkpoint import latest_checkpoint
 from ladle.train.metrics import read_metrics
 
-DESIGN_FIELDS = {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_s", "data_s",
-                 "fwd_bwd_s", "optim_s", "mem_peak_bytes"}
+DESIGN_FIELDS = {
+    "step",
+    "tokens",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "step_s",
+    "data_s",
+    "fwd_bwd_s",
+    "optim_s",
+    "mem_peak_bytes",
+}
 
 
 def run(cfg_dict, *overrides):
@@ -74,10 +86,22 @@ def test_metrics_run_card_and_checkpoint_layout(tiny_config):
 
 
 def test_gradient_accumulation_matches_a_single_big_batch(tiny_config, tmp_path):
-    run(tiny_config, f"output_dir={tmp_path / 'a'}", "train.micro_batch_size=4", "train.grad_accum_steps=1",
-        "train.max_steps=3", "train.eval_steps=0")
-    run(tiny_config, f"output_dir={tmp_path / 'b'}", "train.micro_batch_size=1", "train.grad_accum_steps=4",
-        "train.max_steps=3", "train.eval_steps=0")
+    run(
+        tiny_config,
+        f"output_dir={tmp_path / 'a'}",
+        "train.micro_batch_size=4",
+        "train.grad_accum_steps=1",
+        "train.max_steps=3",
+        "train.eval_steps=0",
+    )
+    run(
+        tiny_config,
+        f"output_dir={tmp_path / 'b'}",
+        "train.micro_batch_size=1",
+        "train.grad_accum_steps=4",
+        "train.max_steps=3",
+        "train.eval_steps=0",
+    )
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     for s in a:
         assert a[s][0] == pytest.approx(b[s][0], rel=1e-5)
@@ -167,8 +191,15 @@ def test_non_finite_loss_never_reaches_the_weights(tiny_config):
 @pytest.mark.parametrize("mode", ["bf16-mixed", "fp16-mixed", "bf16"])
 def test_precision_modes_train(tiny_config, mode):
     # fp16 matmuls on the CPU run on slow reference kernels: keep this short
-    run(tiny_config, f"precision.mode={mode}", "train.max_steps=3", "scheduler.warmup_steps=1",
-        "train.eval_every=0", "checkpoint.every=0", "train.grad_accum_steps=1")
+    run(
+        tiny_config,
+        f"precision.mode={mode}",
+        "train.max_steps=3",
+        "scheduler.warmup_steps=1",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "train.grad_accum_steps=1",
+    )
     recs = [r for r in read_metrics(tiny_config["output_dir"]) if "loss" in r]
     assert len(recs) == 3 and all(r["loss"] is not None for r in recs)
     if mode == "fp16-mixed":
@@ -209,8 +240,17 @@ def test_sigterm_saves_and_resume_continues_exactly(tiny_config, tmp_path):
     full = tmp_path / "full"
     assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={full}"]) == 0
     out = tmp_path / "term"
-    cmd = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(cfg_file), f"output_dir={out}",
-           "checkpoint.every=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ladle",
+        "run",
+        "pretrain",
+        "--config",
+        str(cfg_file),
+        f"output_dir={out}",
+        "checkpoint.every=0",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     metrics = out / "metrics.jsonl"
@@ -223,8 +263,20 @@ def test_sigterm_saves_and_resume_continues_exactly(tiny_config, tmp_path):
     assert stopped is not None and "stopped at step" in text and "SIGTERM" in text
     k = int(stopped.name.split("_")[1])
     assert 1 <= k < 20
-    assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={out}", "checkpoint.every=0",
-                 "train.resume=auto"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "pretrain",
+                "--config",
+                str(cfg_file),
+                f"output_dir={out}",
+                "checkpoint.every=0",
+                "train.resume=auto",
+            ]
+        )
+        == 0
+    )
     assert losses(out) == losses(full)
 
 
@@ -239,3 +291,43 @@ def test_cli_run_exit_codes(tiny_config, tmp_path, capsys):
     assert "did you mean 'model.n_heads'" in capsys.readouterr().err
     assert main(["validate", "--config", str(cfg_file), "scheduler.warmup_steps=1"]) == 0
     assert "max_steps: 2" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_two_data_parallel_processes_match_one(tiny_config, tmp_path):
+    """torchrun with 2 gloo ranks, each reading half of every global batch, gives the losses of
+    one process reading all of it (the same samples, gradients averaged over ranks)."""
+    cfg_file = _write_config(tiny_config, tmp_path / "c.yaml", max_steps=6, eval_every=3)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={one}"]) == 0
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ladle",
+            "run",
+            "pretrain",
+            "--config",
+            str(cfg_file),
+            "--nproc",
+            "2",
+            f"output_dir={two}",
+            "train.micro_batch_size=1",
+            "train.threads=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for s in a:
+        assert b[s][0] == pytest.approx(a[s][0], rel=1e-5, abs=1e-6)
+        assert b[s][1] == pytest.approx(a[s][1], rel=1e-4)
+    for s, v in val_losses(one).items():
+        assert val_losses(two)[s] == pytest.approx(v, rel=1e-5)
+    events = (two / "events.log").read_text()
+    assert "[rank 0]" in events and "[rank 1]" in events
+    card = json.loads((two / "run_card.json").read_text())
+    assert card["world_size"] == 2

@@ -35,7 +35,11 @@ def resolve_config_path(name: str) -> Path:
     if bundled.is_file():
         return bundled
     hint = difflib.get_close_matches(name.removesuffix(".yaml"), bundled_configs(), n=1)
-    extra = f"; did you mean the bundled config '{hint[0]}'?" if hint else "; `ladle ls` lists the bundled configs"
+    extra = (
+        f"; did you mean the bundled config '{hint[0]}'?"
+        if hint
+        else "; `ladle ls` lists the bundled configs"
+    )
     raise ConfigError(f"config file '{name}' not found{extra}")
 
 
@@ -76,7 +80,9 @@ def apply_override(data: dict, parts: list[str], value: Any) -> None:
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, dict):
-            raise ConfigError(f"override {'.'.join(parts)}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+            raise ConfigError(
+                f"override {'.'.join(parts)}: '{'.'.join(parts[: i + 1])}' is a value, not a section"
+            )
         node = child
     node[parts[-1]] = value
 

@@ -129,7 +129,9 @@ class TrainConfig(Section):
         0, ge=0, description="stop (with a checkpoint) at this step, keeping the max_steps schedule; 0: off"
     )
     exit_after_minutes: float = Field(
-        0, ge=0, description="stop (with a checkpoint) after this much wall time, e.g. a job's time limit; 0: off"
+        0,
+        ge=0,
+        description="stop (with a checkpoint) after this much wall time, e.g. a job's time limit; 0: off",
     )
     device: str = Field("auto", description="auto | cpu | cuda | npu (optionally with :index)")
     max_bad_steps: int = Field(

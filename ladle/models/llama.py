@@ -135,7 +135,12 @@ class Attention(nn.Module):
         if K != H:  # grouped-query attention: each kv head serves H/K query heads
             k = k.repeat_interleave(H // K, dim=1)  # (B, H, S, D)
             v = v.repeat_interleave(H // K, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, H, T, D)
+        if isinstance(mask, PackedMask):
+            y = mask.attend(q, k, v)  # (B, H, T, D)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None
+            )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
 
 
@@ -161,6 +166,32 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class PackedMask:
+    """Document masking for the rows of a packed batch that hold a document boundary.
+
+    Most packed rows lie inside one document, where the mask is plain causal: those go through
+    SDPA's causal fast path, and only the `rows` with a boundary pay for an explicit mask.
+    """
+
+    def __init__(self, doc_ids: torch.Tensor):
+        boundary = (doc_ids != doc_ids[:, :1]).any(1)  # (B,)
+        self.rows = boundary.nonzero().squeeze(1)  # rows that need the mask
+        self.plain = (~boundary).nonzero().squeeze(1)  # rows that are causal only
+        d = doc_ids[self.rows]
+        self.mask = attention_mask(d, d, 0)  # (b, 1, T, T)
+
+    def attend(self, q, k, v) -> torch.Tensor:
+        if len(self.plain) == 0:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        if len(self.rows) == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = torch.empty_like(q)  # (B, H, T, D)
+        p, r = self.plain, self.rows
+        y[p] = F.scaled_dot_product_attention(q[p], k[p], v[p], is_causal=True)
+        y[r] = F.scaled_dot_product_attention(q[r], k[r], v[r], attn_mask=self.mask)
+        return y
 
 
 def attention_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, start: int) -> torch.Tensor:
@@ -209,7 +240,9 @@ class Llama(nn.Module):
             cache.doc_ids[:, start : start + T] = doc_ids
             mask = attention_mask(doc_ids, cache.doc_ids[:, : start + T], start)  # (B, 1, T, start + T)
         elif doc_ids is not None:
-            mask = attention_mask(doc_ids, doc_ids, 0)  # (B, 1, T, T)
+            # Packed documents: rows without a boundary keep the causal fast path (about half
+            # the attention cost of an explicit mask); the others get the document mask.
+            mask = PackedMask(doc_ids)
 
         x = self.embed_tokens(tokens)  # (B, T, dim)
         cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, head_dim) each

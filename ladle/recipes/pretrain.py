@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ladle import device as dev
@@ -24,6 +26,12 @@ def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
     model = build_model(cfg.model, device=device, dtype=param_dtype)
+    if dist.world_size() > 1:
+        # Plain data parallel: every rank holds the whole model and reads its own slice of each
+        # global batch. (Sharded layouts, FSDP2 / TP / PP, come with the parallel module.)
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type != "cpu" else None)
     n_params = count_params(cfg.model)
     n_no_embed = count_params(cfg.model, exclude_embeddings=True)
     m = cfg.model
@@ -37,7 +45,7 @@ def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -
 
     trainer = Trainer(cfg, run, model, loader, flops_per_token=fpt, eval_batches=evaluate)
     run.events(
-        f"model: {n_params:,} parameters ({n_no_embed:,} without the input embedding); "
+        f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding); "
         f"{len(train):,} train samples of {cfg.data.seq_len} tokens, {len(val):,} validation samples; "
         f"device {device} ({dev.device_name(device)}), world size {dist.world_size()}"
     )
@@ -72,8 +80,13 @@ def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     ids = tok.encode(s.prompt)
     out = generate(
-        model, [ids], max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-        eos_id=tok.eos_id, generator=g,
+        model,
+        [ids],
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        eos_id=tok.eos_id,
+        generator=g,
     )[0]
     return s.prompt + tok.decode(out)
 
@@ -96,15 +109,18 @@ def run(cfg: LadleConfig) -> str:
         final["val_loss"] = trainer.last_val["val_loss"]
         final["val_ppl"] = trainer.last_val["val_ppl"]
     if dist.is_main() and status == "completed":
-        text = sample_text(cfg, trainer.model, found["tokenizer"], device)
+        model = getattr(trainer.model, "module", trainer.model)  # unwrapped from DDP
+        text = sample_text(cfg, model, found["tokenizer"], device)
         if text is not None:
             final["sample"] = text
             run_dir.console.rule("sample")
             run_dir.console.print(text, markup=False, highlight=False)
             run_dir.console.rule()
     run_dir.write_card(
-        status=status, final=final, throughput=throughput_summary(run_dir.dir),
-        ended=__import__("time").strftime("%Y-%m-%dT%H:%M:%S%z"),
+        status=status,
+        final=final,
+        throughput=throughput_summary(run_dir.dir),
+        ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     run_dir.events(f"run {status} at step {trainer.step}; results in {run_dir.dir}")
     return status

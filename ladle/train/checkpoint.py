@@ -88,7 +88,9 @@ class Checkpointer:
         self.last_stall_s = 0.0
 
     # -- saving ----------------------------------------------------------------------------
-    def save(self, step: int, model, optimizer, extra: dict, config_yaml: str, *, blocking: bool = False) -> None:
+    def save(
+        self, step: int, model, optimizer, extra: dict, config_yaml: str, *, blocking: bool = False
+    ) -> None:
         self.wait()  # at most one save in flight
         final = self.root / step_dir_name(step)
         tmp = self.root / f".{final.name}.tmp"
@@ -134,7 +136,11 @@ class Checkpointer:
         if dist.is_main():
             shutil.rmtree(tmp, ignore_errors=True)
         prev = latest_checkpoint(self.root.parent)
-        kept = f"the previous checkpoint {prev.name} is intact and `latest` still points to it" if prev else "no earlier checkpoint exists"
+        kept = (
+            f"the previous checkpoint {prev.name} is intact and `latest` still points to it"
+            if prev
+            else "no earlier checkpoint exists"
+        )
         raise CheckpointError(
             f"saving the checkpoint of step {step} to {self.root} failed: {err}; {kept}. "
             "Free disk space (or set checkpoint.keep_last lower) and resume with train.resume=auto"
@@ -175,7 +181,10 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(f"could not load the checkpoint {path}: {e}") from e
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
             options=StateDictOptions(strict=True),
         )
         rng = path / "rng" / f"rank_{dist.rank():05d}.safetensors"

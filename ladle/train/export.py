@@ -61,7 +61,9 @@ def load_any_model(path: str | Path, device="cpu", dtype=torch.float32, tokenize
     return model.eval(), load_tokenizer(tok_dir)
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32", max_shard_gb: float = 5.0) -> Path:
+def export_hf(
+    checkpoint: str | Path, out: str | Path, *, dtype: str = "float32", max_shard_gb: float = 5.0
+) -> Path:
     from ladle.models.hf import save_hf
     from ladle.tokenizer import load_tokenizer
 
@@ -70,7 +72,14 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
     tok_dir = run_cfg["tokenizer"]["path"]
     tok = load_tokenizer(tok_dir)
     save_hf(
-        model.state_dict(), mcfg, out, tokenizer_dir=tok_dir, max_shard_bytes=int(max_shard_gb * 2**30),
-        dtype=torch_dtype, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
+        model.state_dict(),
+        mcfg,
+        out,
+        tokenizer_dir=tok_dir,
+        max_shard_bytes=int(max_shard_gb * 2**30),
+        dtype=torch_dtype,
+        bos_id=tok.bos_id,
+        eos_id=tok.eos_id,
+        pad_id=tok.pad_id,
     )
     return Path(out)

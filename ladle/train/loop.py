@@ -9,6 +9,7 @@ in `Trainer.fit`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -127,7 +128,11 @@ class Trainer:
         self.checkpointer.save(
             self.step, self.model, self.optimizer, self.state(), to_yaml(self.cfg), blocking=blocking
         )
-        kind = "async checkpoint started" if self.cfg.checkpoint.async_save and not blocking else "checkpoint saved"
+        kind = (
+            "async checkpoint started"
+            if self.cfg.checkpoint.async_save and not blocking
+            else "checkpoint saved"
+        )
         self.run.events(f"{kind}: step {self.step} (loop stalled {self.checkpointer.last_stall_s:.2f}s)")
 
     # -- one optimizer step ----------------------------------------------------------------
@@ -141,10 +146,13 @@ class Trainer:
         scale = dist.world_size() / max(total, 1)
         loss_sum = torch.zeros((), device=self.device)
         self.model.train()
-        for b in micro:
-            with self.precision.autocast():
-                loss = self.loss_fn(self.model, b)
-            self.precision.scale(loss * scale).backward()
+        for i, b in enumerate(micro):
+            # A data-parallel wrapper all-reduces gradients on the last microbatch only.
+            sync = i == len(micro) - 1 or not hasattr(self.model, "no_sync")
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                with self.precision.autocast():
+                    loss = self.loss_fn(self.model, b)
+                self.precision.scale(loss * scale).backward()
             loss_sum += loss.detach()
         loss_val = float(dist.all_reduce_sum(loss_sum).item()) / max(total, 1)
         dev.synchronize(self.device)
@@ -210,8 +218,12 @@ class Trainer:
         if count.item() == 0:
             return None
         val = float(loss_sum / count)
-        rec = {"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0)),
-               "eval_s": time.perf_counter() - t0}
+        rec = {
+            "step": self.step,
+            "val_loss": val,
+            "val_ppl": math.exp(min(val, 50.0)),
+            "eval_s": time.perf_counter() - t0,
+        }
         self.run.metrics.write(rec)
         self.last_val = rec
         return rec
@@ -286,7 +298,9 @@ class Trainer:
             return
         rec = self.evaluate()
         if rec:
-            bar.print(f"step {rec['step']:>6} | val_loss {rec['val_loss']:.4f} | val_ppl {rec['val_ppl']:.2f}")
+            bar.print(
+                f"step {rec['step']:>6} | val_loss {rec['val_loss']:.4f} | val_ppl {rec['val_ppl']:.2f}"
+            )
 
     def log_step(self, out: dict, window: dict, bar) -> None:
         n = max(1, window["steps"])

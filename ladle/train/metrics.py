@@ -9,12 +9,21 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from ladle import distributed as dist
 
 
-def flops_per_token(n_params_no_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
+def flops_per_token(
+    n_params_no_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int
+) -> float:
     """Training FLOPs per token: 6·N for the matmuls with weights (forward + backward) plus
     12·L·H·Q·T for attention scores and values (PaLM, appendix B), N without the input embedding."""
     return 6 * n_params_no_embedding + 12 * n_layers * n_heads * head_dim * seq_len
@@ -60,8 +69,15 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def format_line(r: dict) -> str:
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss nan"]
-    parts += [f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}" if r.get("grad_norm") is not None else "gnorm nan"]
-    parts += [f"{r['tokens_per_s']:,.0f} tok/s", f"mfu {100 * r['mfu']:.1f}%", f"step {r['step_s'] * 1000:.0f}ms"]
+    parts += [
+        f"lr {r['lr']:.2e}",
+        f"gnorm {r['grad_norm']:.3f}" if r.get("grad_norm") is not None else "gnorm nan",
+    ]
+    parts += [
+        f"{r['tokens_per_s']:,.0f} tok/s",
+        f"mfu {100 * r['mfu']:.1f}%",
+        f"step {r['step_s'] * 1000:.0f}ms",
+    ]
     parts.append(f"data {r['data_s'] * 1000:.0f}ms")
     if r.get("loss_scale") is not None:
         parts.append(f"scale {r['loss_scale']:.0f}")

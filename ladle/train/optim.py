@@ -14,9 +14,7 @@ from ladle.config import OptimConfig, SchedulerConfig
 def param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
     """Weight decay on matrices only: norms, biases and embeddings (tied output heads included)
     are not decayed, unless `decay_all`."""
-    embedding_params = {
-        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)
-    }
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     seen = set()
     for p in model.parameters():

@@ -63,7 +63,11 @@ class Precision:
         return float(self.scaler.get_scale()) if self.scaler else None
 
     def state_dict(self) -> dict:
-        return {k: (v.item() if torch.is_tensor(v) else v) for k, v in self.scaler.state_dict().items()} if self.scaler else {}
+        return (
+            {k: (v.item() if torch.is_tensor(v) else v) for k, v in self.scaler.state_dict().items()}
+            if self.scaler
+            else {}
+        )
 
     def load_state_dict(self, state: dict) -> None:
         if self.scaler and state:

@@ -38,7 +38,9 @@ def resolve_resume(cfg: LadleConfig) -> Path | None:
     if mode == "never":
         if latest is not None:
             theirs = read_trainer_state(latest).get("config_hash", "?")
-            same = "this same config" if theirs == config_hash(cfg) else f"another config (hash {theirs[:12]})"
+            same = (
+                "this same config" if theirs == config_hash(cfg) else f"another config (hash {theirs[:12]})"
+            )
             raise ConfigError(
                 f"output_dir {out} already holds checkpoints of a run with {same} (latest: {latest.name}); "
                 "set train.resume=auto to continue it, or choose another output_dir"
@@ -68,9 +70,15 @@ def resolve_resume(cfg: LadleConfig) -> Path | None:
 def _git_commit() -> str | None:
     src = Path(ladle.__file__).resolve().parent.parent
     try:
-        rev = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
+        rev = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if rev.returncode:

@@ -1,0 +1,180 @@
+"""The command line: export to Hugging Face, generate, ls/cp, data commands, and exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from ladle.cli import main
+
+
+@pytest.fixture
+def trained_run(tiny_config, tmp_path):
+    cfg = json.loads(json.dumps(tiny_config))
+    cfg["train"].update(max_steps=4, eval_every=0)
+    cfg["scheduler"]["warmup_steps"] = 1
+    f = tmp_path / "cfg.yaml"
+    f.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "pretrain", "--config", str(f)]) == 0
+    return tmp_path / "run"
+
+
+def test_export_hf_loads_in_transformers_with_the_same_logits(trained_run, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from ladle.train.export import load_checkpoint_model
+
+    out = tmp_path / "hf"
+    assert main(["export", "hf", str(trained_run), str(out)]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    ours, _, _ = load_checkpoint_model(trained_run)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    from ladle.tokenizer import load_tokenizer
+
+    assert tok("def f(x):")["input_ids"] == load_tokenizer(out).encode("def f(x):")
+
+
+def test_generate_json_from_checkpoint_and_export_agree(trained_run, tmp_path, capsys):
+    out = tmp_path / "hf"
+    main(["export", "hf", str(trained_run), str(out)])
+    capsys.readouterr()
+    args = ["--prompt", "def ", "--prompt", "import os", "--max-new-tokens", "6", "--json"]
+    assert main(["generate", "--model", str(trained_run), *args]) == 0
+    a = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(["generate", "--model", str(out), *args]) == 0
+    b = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert a == b and len(a) == 2
+    assert set(a[0]) == {"prompt", "text", "tokens"} and a[0]["prompt"] == "def "
+    assert 1 <= len(a[0]["tokens"]) <= 6
+
+
+def test_ls_and_cp(tmp_path, capsys):
+    assert main(["ls"]) == 0
+    listing = capsys.readouterr().out
+    assert "pretrain" in listing and "tiny/pretrain" in listing
+    assert main(["cp", "tiny/pretrain", str(tmp_path)]) == 0
+    assert (tmp_path / "pretrain.yaml").is_file()
+    assert main(["cp", "tiny/pretrain", str(tmp_path)]) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert main(["validate", "--config", str(tmp_path / "pretrain.yaml"), "--no-paths"]) == 0
+
+
+def test_user_errors_exit_2_with_the_path(tmp_path, capsys):
+    assert main(["data", "inspect", str(tmp_path / "missing")]) == 2
+    assert "run `ladle data prepare` first" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--input",
+                str(tmp_path / "none"),
+                "--vocab-size",
+                "300",
+                "--output",
+                str(tmp_path / "t"),
+            ]
+        )
+        == 2
+    )
+    assert str(tmp_path / "none") in capsys.readouterr().err
+    assert main(["export", "hf", str(tmp_path), str(tmp_path / "o")]) == 2
+    assert "is not a ladle checkpoint" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert main(["validate", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "config file" in capsys.readouterr().err
+
+
+def test_the_console_script_exits_2_without_a_traceback(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "ladle", "validate", "--config", "tiny/pretrain", "model.dim=0"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert "model.dim: Input should be greater than or equal to 1" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_tokenizer_prepare_inspect_through_the_cli(corpus, tmp_path, capsys):
+    (corpus_copy := tmp_path / "in").mkdir()
+    for f in sorted(corpus.iterdir())[:3]:
+        (corpus_copy / f.name).write_text(f.read_text())
+    (corpus_copy / "notes.txt").write_text("not python")  # filtered out by --glob
+    (corpus_copy / "bad.py").write_bytes(b"x = 1\n\xff\xfe\n")  # undecodable: counted, reported
+    tok, data = tmp_path / "tok", tmp_path / "data"
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--input",
+                str(corpus_copy),
+                "--glob",
+                "*.py",
+                "--vocab-size",
+                "400",
+                "--output",
+                str(tok),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--input",
+                str(corpus_copy),
+                "--glob",
+                "*.py",
+                "--tokenizer",
+                str(tok),
+                "--output",
+                str(data),
+                "--workers",
+                "1",
+                "--val-fraction",
+                "0.5",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "undecodable bytes: 1" in err and "bad.py:2" in err
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 3
+    assert main(["data", "inspect", str(data), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["unigram_entropy_nats"] > 0
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--input",
+                str(corpus_copy),
+                "--glob",
+                "*.py",
+                "--tokenizer",
+                str(tok),
+                "--output",
+                str(tmp_path / "strict"),
+                "--workers",
+                "1",
+                "--strict",
+            ]
+        )
+        == 2
+    )
+    assert "bad.py:2: undecodable bytes" in capsys.readouterr().err
+    assert not (tmp_path / "strict").exists()
