@@ -87,6 +87,10 @@ def test_batch_mixing_packed_and_single_document_rows(monkeypatch):
     torch.testing.assert_close(out[1, :7], model(tokens[1:2, :7])[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1, 7:], model(tokens[1:2, 7:])[0], atol=1e-5, rtol=1e-5)
 
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the mixed path under autocast too
+        low = model(tokens, positions=positions, doc_ids=doc_ids)
+    torch.testing.assert_close(low.float(), out, atol=0.1, rtol=0.1)
+
     out.sum().backward()
     mixed = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -95,7 +99,7 @@ def test_batch_mixing_packed_and_single_document_rows(monkeypatch):
 
     class AllMasked(llama.PackedMask):
         def __init__(self, d):
-            self.rows, self.plain = torch.arange(len(d)), torch.arange(0)
+            self.order, self.n_plain = torch.arange(len(d)), 0
             self.mask = attention_mask(d, d, 0)
 
     monkeypatch.setattr(llama, "PackedMask", AllMasked)

@@ -55,6 +55,8 @@ def test_resume_gives_identical_losses(tiny_config, tmp_path):
     assert run(tiny_config, f"output_dir={split}", "train.exit_at_step=10") == "exit"
     assert latest_checkpoint(split).name == "step_00000010"
     assert run(tiny_config, f"output_dir={split}", "train.resume=auto") == "completed"
+    events = (split / "events.log").read_text()
+    assert "resumed from" in events and "train.exit_at_step: 10 -> 0" in events
     a, b = losses(full), losses(split)
     assert sorted(a) == sorted(b) == list(range(1, 21))
     assert a == b  # bit-identical: same weights, optimizer state, schedule and samples

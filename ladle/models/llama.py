@@ -169,29 +169,37 @@ class Block(nn.Module):
 
 
 class PackedMask:
-    """Document masking for the rows of a packed batch that hold a document boundary.
+    """Document masking for a packed batch, paid only by the rows that hold a document boundary.
 
-    Most packed rows lie inside one document, where the mask is plain causal: those go through
-    SDPA's causal fast path, and only the `rows` with a boundary pay for an explicit mask.
+    Most packed rows lie inside one document, where the mask is plain causal: those take SDPA's
+    causal fast path. `Llama.forward` reorders the batch so that those rows come first
+    (`order`), attention splits it in two contiguous parts (split/cat: no scatter in backward),
+    and the hidden states return to the caller's order before the head.
     """
 
     def __init__(self, doc_ids: torch.Tensor):
         boundary = (doc_ids != doc_ids[:, :1]).any(1)  # (B,)
-        self.rows = boundary.nonzero().squeeze(1)  # rows that need the mask
-        self.plain = (~boundary).nonzero().squeeze(1)  # rows that are causal only
-        d = doc_ids[self.rows]
-        self.mask = attention_mask(d, d, 0)  # (b, 1, T, T)
+        self.order = torch.argsort(boundary.to(torch.uint8), stable=True)  # causal-only rows first
+        self.n_plain = int((~boundary).sum())
+        d = doc_ids[self.order[self.n_plain :]]
+        self.mask = attention_mask(d, d, 0)  # (b, 1, T, T) for the rows with a boundary
+
+    @property
+    def mixed(self) -> bool:
+        return 0 < self.n_plain < len(self.order)
 
     def attend(self, q, k, v) -> torch.Tensor:
-        if len(self.plain) == 0:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
-        if len(self.rows) == 0:
+        """q (B, H, T, D), k/v (B, H, T, D), rows in `order`; returns (B, H, T, D)."""
+        B = q.shape[0]
+        if self.n_plain == B:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = torch.empty_like(q)  # (B, H, T, D)
-        p, r = self.plain, self.rows
-        y[p] = F.scaled_dot_product_attention(q[p], k[p], v[p], is_causal=True)
-        y[r] = F.scaled_dot_product_attention(q[r], k[r], v[r], attn_mask=self.mask)
-        return y
+        if self.n_plain == 0:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        sizes = [self.n_plain, B - self.n_plain]
+        (qp, qr), (kp, kr), (vp, vr) = q.split(sizes), k.split(sizes), v.split(sizes)
+        y_plain = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+        y_rows = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=self.mask)
+        return torch.cat([y_plain, y_rows])
 
 
 def attention_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, start: int) -> torch.Tensor:
@@ -243,11 +251,15 @@ class Llama(nn.Module):
             # Packed documents: rows without a boundary keep the causal fast path (about half
             # the attention cost of an explicit mask); the others get the document mask.
             mask = PackedMask(doc_ids)
+            if mask.mixed:  # rows without a boundary first (see PackedMask)
+                tokens, positions = tokens[mask.order], positions[mask.order]
 
         x = self.embed_tokens(tokens)  # (B, T, dim)
         cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, head_dim) each
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i)
+        if isinstance(mask, PackedMask) and mask.mixed:
+            x = x[torch.argsort(mask.order)]  # back to the caller's row order
         x = self.norm(x)
         if cache is not None:
             cache.length += T

@@ -14,20 +14,39 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 from ladle import device as dev
 from ladle import distributed as dist
 from ladle.config import LadleConfig
-from ladle.config.load import config_hash, to_yaml
+from ladle.config.load import config_hash, to_dict, to_yaml
 from ladle.train.checkpoint import Checkpointer
 from ladle.train.metrics import format_line
 from ladle.train.optim import build_optimizer, build_scheduler
 from ladle.train.precision import Precision
 
 IGNORE_INDEX = -100
+
+
+def config_changes(old_yaml: Path, cfg: LadleConfig) -> list[str]:
+    """`key: old -> new` for every setting that differs from the checkpoint's config."""
+    if not old_yaml.is_file():
+        return []
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield prefix + k, v
+
+    old = dict(flat(yaml.safe_load(old_yaml.read_text()) or {}))
+    new = dict(flat(to_dict(cfg)))
+    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v and k != "train.resume"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -123,6 +142,9 @@ class Trainer:
         self.scheduler.load_state_dict(extra["scheduler"])
         self.precision.load_state_dict(extra.get("loss_scaler", {}))
         self.run.events(f"resumed from {path} at step {self.step} ({self.tokens_seen:,} tokens seen)")
+        changed = config_changes(Path(path) / "config.yaml", self.cfg)
+        if changed:
+            self.run.events("resumed with changed settings: " + "; ".join(changed), level="warning")
 
     def save(self, *, blocking: bool = False) -> None:
         self.checkpointer.save(
