@@ -5,7 +5,6 @@ Everything else asks this module instead of calling `torch.cuda` or `torch.npu` 
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import sys
 import time
@@ -169,17 +168,3 @@ def peak_tflops(device: torch.device, dtype_name: str) -> tuple[float, str]:
             if pattern.lower() in name.lower() and peaks.get(dtype_name):
                 return peaks[dtype_name], f"datasheet ({pattern}, {dtype_name})"
     return measure_gemm_tflops(device, dtype_name), f"measured {dtype_name} GEMM on {device_name(device)}"
-
-
-@contextlib.contextmanager
-def cpu_threads(n: int):
-    """Temporarily set torch's CPU thread count (0: leave as is)."""
-    if not n:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)

@@ -196,8 +196,7 @@ def eval_batches(samples: PackedSamples, layout: BatchLayout, steps: int, device
     """Up to `steps` batches of micro_batch_size samples per rank, from the start of the split in
     stream order: the same samples at every evaluation, whatever the training position."""
     one = BatchLayout(layout.micro_batch_size, 1, layout.dp_rank, layout.dp_world)
-    n = min(steps, len(samples) // one.global_batch)
-    for s in range(n):
+    for s in range(eval_batch_count(samples, layout, steps)):
         (idx,) = one.rank_indices(s * one.global_batch)
         yield {k: v.to(device) for k, v in collate([samples.get(g) for g in idx]).items()}
 

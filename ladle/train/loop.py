@@ -46,7 +46,9 @@ def config_changes(old_yaml: Path, cfg: LadleConfig) -> list[str]:
 
     old = dict(flat(yaml.safe_load(old_yaml.read_text()) or {}))
     new = dict(flat(to_dict(cfg)))
-    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v and k != "train.resume"]
+    return [
+        f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v and k != "train.resume"
+    ]
 
 
 class TrainingDiverged(RuntimeError):

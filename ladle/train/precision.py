@@ -16,6 +16,7 @@ import contextlib
 
 import torch
 
+from ladle import device as dev
 from ladle.config import PrecisionConfig
 from ladle.errors import ConfigError
 
@@ -26,8 +27,11 @@ class Precision:
         self.device = device
         self.param_dtype = torch.bfloat16 if cfg.mode == "bf16" else torch.float32
         self.autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.mode)
-        if cfg.mode == "fp16-mixed" and device.type == "cpu" and not hasattr(torch.amp, "GradScaler"):
-            raise ConfigError("precision.mode=fp16-mixed needs torch.amp.GradScaler; use bf16-mixed on CPU")
+        if cfg.mode in ("bf16", "bf16-mixed") and not dev.supports_bf16(device):
+            raise ConfigError(
+                f"precision.mode={cfg.mode}: {dev.device_name(device)} has no bf16 support; "
+                "use precision.mode=fp16-mixed or fp32"
+            )
         self.scaler = (
             torch.amp.GradScaler(
                 device.type, init_scale=cfg.init_loss_scale, growth_interval=cfg.loss_scale_window
