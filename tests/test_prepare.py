@@ -300,3 +300,29 @@ def test_iter_files_sorted_glob_exclude(tmp_path):
     ]
     assert found == ["a/z.py", "a.py", "b.py", "c/d/e.py"]
     assert list(iter_files([tmp_path / "a" / "y.txt"], "*.py")) == [tmp_path / "a" / "y.txt"]
+
+
+def test_memory_stays_flat_as_the_corpus_grows(tmp_path, tok_dir):
+    """Peak Python + numpy allocations during prepare are bounded by the in-flight chunks, not by
+    the corpus: a corpus 8x larger peaks at about the same (tracemalloc sees numpy's buffers)."""
+    import tracemalloc
+
+    texts = _texts(400, seed=3)
+
+    def peak_for(copies, name):
+        f = tmp_path / f"{name}.jsonl"
+        with f.open("w") as out:
+            for i in range(copies):
+                for t in texts:
+                    out.write(json.dumps({"text": f"{i} {t}"}) + "\n")
+        tracemalloc.start()
+        _prepare(f, tok_dir, tmp_path / f"out_{name}")
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return f.stat().st_size, peak
+
+    small_size, small_peak = peak_for(10, "small")
+    big_size, big_peak = peak_for(80, "big")
+    assert big_size > 7 * small_size
+    assert big_peak < 1.5 * small_peak + 2**20, (small_peak, big_peak)
+    assert big_peak < big_size / 2
