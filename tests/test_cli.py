@@ -126,29 +126,12 @@ def test_tokenizer_prepare_inspect_through_the_cli(corpus, tmp_path, capsys):
         )
         == 0
     )
-    assert (
-        main(
-            [
-                "data",
-                "prepare",
-                "--input",
-                str(corpus_copy),
-                "--glob",
-                "*.py",
-                "--tokenizer",
-                str(tok),
-                "--output",
-                str(data),
-                "--workers",
-                "1",
-                "--val-fraction",
-                "0.5",
-                "--seed",
-                "3",
-            ]
-        )
-        == 0
-    )
+
+    def prepare(out, *extra):
+        args = ["data", "prepare", "--input", str(corpus_copy), "--glob", "*.py", "--tokenizer", str(tok)]
+        return main([*args, "--output", str(out), "--workers", "1", *extra])
+
+    assert prepare(data, "--val-fraction", "0.5", "--seed", "3") == 0
     err = capsys.readouterr().err
     assert "undecodable bytes: 1" in err and "bad.py:2" in err
     meta = json.loads((data / "meta.json").read_text())
@@ -156,25 +139,6 @@ def test_tokenizer_prepare_inspect_through_the_cli(corpus, tmp_path, capsys):
     assert main(["data", "inspect", str(data), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["unigram_entropy_nats"] > 0
-    assert (
-        main(
-            [
-                "data",
-                "prepare",
-                "--input",
-                str(corpus_copy),
-                "--glob",
-                "*.py",
-                "--tokenizer",
-                str(tok),
-                "--output",
-                str(tmp_path / "strict"),
-                "--workers",
-                "1",
-                "--strict",
-            ]
-        )
-        == 2
-    )
+    assert prepare(tmp_path / "strict", "--strict") == 2
     assert "bad.py:2: undecodable bytes" in capsys.readouterr().err
     assert not (tmp_path / "strict").exists()

@@ -229,6 +229,11 @@ def test_vocab_larger_than_the_model_is_refused(tiny_config):
         run(tiny_config, "model.vocab_size=300")
 
 
+def ladle_cmd(*args: str) -> list[str]:
+    """The `ladle` command as a subprocess of this interpreter."""
+    return [sys.executable, "-m", "ladle", *args]
+
+
 def _write_config(cfg_dict, path, **train):
     cfg = json.loads(json.dumps(cfg_dict))
     cfg["train"].update(train)
@@ -242,17 +247,7 @@ def test_sigterm_saves_and_resume_continues_exactly(tiny_config, tmp_path):
     full = tmp_path / "full"
     assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={full}"]) == 0
     out = tmp_path / "term"
-    cmd = [
-        sys.executable,
-        "-m",
-        "ladle",
-        "run",
-        "pretrain",
-        "--config",
-        str(cfg_file),
-        f"output_dir={out}",
-        "checkpoint.every=0",
-    ]
+    cmd = ladle_cmd("run", "pretrain", "--config", str(cfg_file), f"output_dir={out}", "checkpoint.every=0")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     metrics = out / "metrics.jsonl"
@@ -303,10 +298,7 @@ def test_two_data_parallel_processes_match_one(tiny_config, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={one}"]) == 0
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ladle",
+        ladle_cmd(
             "run",
             "pretrain",
             "--config",
@@ -316,7 +308,7 @@ def test_two_data_parallel_processes_match_one(tiny_config, tmp_path):
             f"output_dir={two}",
             "train.micro_batch_size=1",
             "train.threads=1",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=300,
