@@ -8,6 +8,9 @@ so machine noise hits both alike. Prints one JSON line:
 
     python bench/train_throughput.py [--repeats 3] [--steps 6] [--precision bf16-mixed]
 
+Each repeat runs ladle eager, ladle with `train.compile=true` (per-block torch.compile), and the
+Trainer (eager, as it ships by default).
+
 Needs the bench extras (`pip install -e '.[bench]'`: transformers, accelerate).
 """
 
@@ -57,7 +60,9 @@ def prepare_data(work: Path) -> tuple[Path, Path]:
     return tok, data
 
 
-def ladle_run(tok: Path, data: Path, out: Path, steps: int, warmup: int, precision: str) -> dict:
+def ladle_run(
+    tok: Path, data: Path, out: Path, steps: int, warmup: int, precision: str, compile: bool
+) -> dict:
     from ladle.config.load import build_config
     from ladle.recipes import pretrain
     from ladle.train.metrics import read_metrics
@@ -71,7 +76,13 @@ def ladle_run(tok: Path, data: Path, out: Path, steps: int, warmup: int, precisi
             "data": {"path": str(data), "seq_len": 512},
             "optim": {"lr": 3e-4},
             "scheduler": {"name": "constant"},
-            "train": {"max_steps": warmup + steps, "micro_batch_size": 8, "log_every": 1, "eval_steps": 0},
+            "train": {
+                "max_steps": warmup + steps,
+                "micro_batch_size": 8,
+                "log_every": 1,
+                "eval_steps": 0,
+                "compile": compile,
+            },
             "precision": {"mode": precision},
             "checkpoint": {"every": 0},
             "sample": {"prompt": ""},
@@ -170,12 +181,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tok, data = prepare_data(work)
-        ours, theirs = [], []
+        ours, compiled, theirs = [], [], []
         for r in range(args.repeats):
-            ours.append(ladle_run(tok, data, work / f"ladle{r}", args.steps, args.warmup, args.precision))
+            ours.append(
+                ladle_run(tok, data, work / f"ladle{r}", args.steps, args.warmup, args.precision, False)
+            )
+            compiled.append(
+                ladle_run(tok, data, work / f"ladlec{r}", args.steps, args.warmup, args.precision, True)
+            )
             theirs.append(hf_run(data, args.steps, args.warmup, args.precision, work / f"hf{r}"))
             print(
                 f"repeat {r}: ladle {ours[-1]['tokens_per_s']:.0f} tok/s, "
+                f"ladle train.compile {compiled[-1]['tokens_per_s']:.0f} tok/s, "
                 f"Trainer {theirs[-1]['tokens_per_s']:.0f} tok/s",
                 file=sys.stderr,
             )
@@ -186,6 +203,7 @@ def main() -> None:
     device = dev.pick_device("auto")
     peak, source = dev.peak_tflops(device, dev.compute_dtype_name(args.precision))
     ladle_tps = statistics.median(x["tokens_per_s"] for x in ours)
+    compiled_tps = statistics.median(x["tokens_per_s"] for x in compiled)
     hf_tps = statistics.median(x["tokens_per_s"] for x in theirs)
     print(
         json.dumps(
@@ -198,7 +216,10 @@ def main() -> None:
                 "ladle_tokens_per_s": round(ladle_tps, 1),
                 "trainer_tokens_per_s": round(hf_tps, 1),
                 "ratio": round(ladle_tps / hf_tps, 3),
+                "ladle_compiled_tokens_per_s": round(compiled_tps, 1),
+                "ratio_compiled": round(compiled_tps / hf_tps, 3),
                 "ladle_mfu": round(statistics.median(x["mfu"] for x in ours), 4),
+                "ladle_compiled_mfu": round(statistics.median(x["mfu"] for x in compiled), 4),
                 "trainer_mfu": round(hf_tps * fpt / (peak * 1e12), 4),
                 "peak_tflops": round(peak, 4),
                 "peak_source": source,

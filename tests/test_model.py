@@ -231,3 +231,46 @@ def test_qk_norm_matches_transformers_qwen3():
     torch.testing.assert_close(
         ours, _hf_logits(Qwen3ForCausalLM, hf_cfg, model, tokens), atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+)
+def test_rmsnorm_bitwise_equals_transformers(x_dtype, w_dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from ladle.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    x = (torch.randn(4, 9, 48) * 3).to(x_dtype)
+    ours, ref = RMSNorm(48, 1e-5), LlamaRMSNorm(48, eps=1e-5)
+    w = torch.rand(48) + 0.5
+    ours.weight.data, ref.weight.data = w.to(w_dtype), w.to(w_dtype)
+    assert torch.equal(ours(x), ref(x))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_split_equals_one_call(masked):
+    # T >= 128 on CPU takes the two-call path; it must equal one SDPA call, gradients included.
+    import torch.nn.functional as F
+
+    from ladle.models.llama import attention_mask, sdpa
+
+    torch.manual_seed(0)
+    T = 128
+    q = torch.randn(2, 4, T, 16, requires_grad=True)
+    k = torch.randn(2, 2, T, 16, requires_grad=True)
+    v = torch.randn(2, 2, T, 16, requires_grad=True)
+    docs = torch.cat([torch.zeros(2, 50), torch.ones(2, 40), torch.full((2, 38), 2)], 1).long()
+    mask = attention_mask(docs, docs, 0) if masked else None
+    grads = []
+    for fn in (sdpa, None):
+        if fn is None:
+            kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+            y = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, is_causal=mask is None)
+        else:
+            y = fn(q, k, v, mask)
+        g = torch.autograd.grad((y * torch.linspace(-1, 1, 16)).sum(), (q, k, v))
+        grads.append((y.detach(), *g))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -325,3 +325,23 @@ def test_two_data_parallel_processes_match_one(tiny_config, tmp_path):
     assert "[rank 0]" in events and "[rank 1]" in events
     card = json.loads((two / "run_card.json").read_text())
     assert card["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager(tiny_config, tmp_path):
+    # train.compile: inductor-compiled blocks give the eager losses (to fusion rounding), a
+    # validation under no_grad and the end-of-run sample work, and checkpoint names are unchanged.
+    common = ["train.max_steps=4", "train.eval_every=2", "scheduler.warmup_steps=1", "precision.mode=fp32"]
+    run(tiny_config, f"output_dir={tmp_path / 'eager'}", *common)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    run(tiny_config, f"output_dir={tmp_path / 'compiled'}", *common, "train.compile=true")
+    assert counters["stats"]["unique_graphs"] > graphs  # it did compile
+    a, b = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in a:
+        assert b[s][0] == pytest.approx(a[s][0], rel=1e-4)
+    assert val_losses(tmp_path / "compiled")[4] == pytest.approx(val_losses(tmp_path / "eager")[4], rel=1e-4)
+    metadata = (latest_checkpoint(tmp_path / "compiled") / ".metadata").read_bytes()
+    assert b"_orig_mod" not in metadata and b"layers.0.mlp.up_proj.weight" in metadata

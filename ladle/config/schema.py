@@ -138,6 +138,10 @@ class TrainConfig(Section):
         3, ge=1, description="consecutive non-finite steps (skipped) before the run stops"
     )
     threads: int = Field(0, ge=0, description="CPU threads for torch; 0 leaves torch's default")
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer block (inductor: CPU and CUDA); the first step pays for it",
+    )
 
 
 class PrecisionConfig(Section):

@@ -30,11 +30,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the scale, exactly as HF does (bit-compatible in bf16).
+        # Normalise in fp32 and cast back before the scale, exactly as HF does (bit-compatible in
+        # bf16). F.rms_norm is one fused kernel (3-4x faster fwd+bwd on CPU than the five ops);
+        # for fp32 input it computes the very same thing including the scale.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -129,19 +131,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = self.attend(q, k, v, mask, cache, layer)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+    @torch.compiler.disable  # eager under train.compile: see ladle/parallel/compile.py
+    def attend(self, q, k, v, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, K, S, D), S = cached + T
             k, v = k.to(q.dtype), v.to(q.dtype)  # no-op unless the cache dtype differs (autocast)
-        if K != H:  # grouped-query attention: each kv head serves H/K query heads
-            k = k.repeat_interleave(H // K, dim=1)  # (B, H, S, D)
-            v = v.repeat_interleave(H // K, dim=1)
+        # Grouped-query attention (each kv head serves H/K query heads) is left to SDPA's
+        # enable_gqa: no repeated copies of k/v, and no reduction of them in backward.
         if isinstance(mask, PackedMask):
-            y = mask.attend(q, k, v)  # (B, H, T, D)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None
-            )  # (B, H, T, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+            return mask.attend(q, k, v)
+        return sdpa(q, k, v, mask)
 
 
 class MLP(nn.Module):
@@ -164,8 +166,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(to_compute_dtype(self.input_layernorm(x)), cos, sin, mask, cache, layer)
+        return x + self.mlp(to_compute_dtype(self.post_attention_layernorm(x)))
 
 
 class PackedMask:
@@ -189,17 +191,47 @@ class PackedMask:
         return 0 < self.n_plain < len(self.order)
 
     def attend(self, q, k, v) -> torch.Tensor:
-        """q (B, H, T, D), k/v (B, H, T, D), rows in `order`; returns (B, H, T, D)."""
+        """q (B, H, T, D), k/v (B, K, T, D), rows in `order`; returns (B, H, T, D)."""
         B = q.shape[0]
         if self.n_plain == B:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return sdpa(q, k, v)
         if self.n_plain == 0:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+            return sdpa(q, k, v, self.mask)
         sizes = [self.n_plain, B - self.n_plain]
         (qp, qr), (kp, kr), (vp, vr) = q.split(sizes), k.split(sizes), v.split(sizes)
-        y_plain = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
-        y_rows = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=self.mask)
-        return torch.cat([y_plain, y_rows])
+        return torch.cat([sdpa(qp, kp, vp), sdpa(qr, kr, vr, self.mask)])
+
+
+def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention when mask is None, else the boolean mask; k/v may have fewer heads (GQA)."""
+    gqa = k.shape[1] != q.shape[1]
+    T = q.shape[2]
+    if q.device.type == "cpu" and T == k.shape[2] and T % 2 == 0 and T >= 128:
+        # On CPU, SDPA's flash kernel computes every key for a causal block of rows (causal costs
+        # as much as full attention here), so the first half of the queries, which see only the
+        # first half of the keys, runs as its own call: 3/4 of the work, ~20% less fwd+bwd time
+        # at T = 512. Accelerator kernels skip masked blocks themselves.
+        h = T // 2
+        if mask is None:
+            m1, m2 = None, torch.ones(h, T, dtype=torch.bool, device=q.device).tril(h)
+        else:
+            m1, m2 = mask[..., :h, :h], mask[..., h:, :]
+        y1 = F.scaled_dot_product_attention(
+            q[:, :, :h], k[:, :, :h], v[:, :, :h], attn_mask=m1, is_causal=m1 is None, enable_gqa=gqa
+        )
+        y2 = F.scaled_dot_product_attention(q[:, :, h:], k, v, attn_mask=m2, enable_gqa=gqa)
+        return torch.cat([y1, y2], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+
+
+def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """A norm's fp32 output cast once to the autocast dtype. Autocast would cast it again for
+    every projection that reads it (q, k, v; gate, up) and cast each gradient back: ~10% of a
+    bench-30m step on CPU. Forward values are the same; the branch gradients are summed in the
+    compute dtype, as with bf16 weights."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
 
 
 def attention_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, start: int) -> torch.Tensor:

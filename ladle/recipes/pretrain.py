@@ -13,6 +13,7 @@ from ladle.config.checks import check_all
 from ladle.data.loader import BatchLayout, PackedSamples, PretrainLoader, eval_batch_count, eval_batches
 from ladle.data.prepare import open_split
 from ladle.models.llama import build_model, count_params
+from ladle.parallel.compile import compile_blocks, eager
 from ladle.train.loop import Trainer
 from ladle.train.metrics import flops_per_token
 from ladle.train.run import RunDir, resolve_resume, throughput_summary
@@ -26,6 +27,8 @@ def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
     model = build_model(cfg.model, device=device, dtype=param_dtype)
+    if t.compile:
+        compile_blocks(model)
     if dist.world_size() > 1:
         # Plain data parallel: every rank holds the whole model and reads its own slice of each
         # global batch. (Sharded layouts, FSDP2 / TP / PP, come with the parallel module.)
@@ -110,7 +113,8 @@ def run(cfg: LadleConfig) -> str:
         final["val_ppl"] = trainer.last_val["val_ppl"]
     if dist.is_main() and status == "completed":
         model = getattr(trainer.model, "module", trainer.model)  # unwrapped from DDP
-        text = sample_text(cfg, model, found["tokenizer"], device)
+        with eager():
+            text = sample_text(cfg, model, found["tokenizer"], device)
         if text is not None:
             final["sample"] = text
             run_dir.console.rule("sample")

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from ladle import device as dev
@@ -25,11 +24,10 @@ from ladle import distributed as dist
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_dict, to_yaml
 from ladle.train.checkpoint import Checkpointer
+from ladle.train.loss import IGNORE_INDEX, cross_entropy_sum
 from ladle.train.metrics import format_line
 from ladle.train.optim import build_optimizer, build_scheduler
 from ladle.train.precision import Precision
-
-IGNORE_INDEX = -100
 
 
 def config_changes(old_yaml: Path, cfg: LadleConfig) -> list[str]:
@@ -58,9 +56,7 @@ class TrainingDiverged(RuntimeError):
 def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum (not mean) of the token cross-entropies; the loop divides by the global token count."""
     logits = model(batch["tokens"], positions=batch.get("positions"), doc_ids=batch.get("doc_ids"))
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    return cross_entropy_sum(logits, batch["targets"], IGNORE_INDEX)
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
