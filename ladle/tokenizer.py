@@ -22,6 +22,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from ladle.bpe_cache import CachedBPE
 from ladle.data.sources import format_of, iter_documents, iter_files, no_files_message
 from ladle.errors import DataError
 
@@ -126,6 +127,7 @@ class Tokenizer:
         self.bos_id = self._special_id(config, "bos")
         self.eos_id = self._special_id(config, "eos")
         self.pad_id = self._special_id(config, "pad")
+        self._fast: CachedBPE | None | bool = False  # built on first encode_batch (see bpe_cache)
 
     def _special_id(self, config: dict, kind: str) -> int | None:
         key = f"{kind}_token"
@@ -143,8 +145,17 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        # encode_batch_fast skips the character offsets, which nothing here needs.
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        """Ids of many texts, as `encode` gives them; the bulk path of `ladle data prepare`."""
+        if self._fast is False:
+            self._fast = CachedBPE.for_tokenizer(self._tok)
+        out = [self._fast.encode(t) for t in texts] if self._fast else [None] * len(texts)
+        rest = [i for i, ids in enumerate(out) if ids is None]
+        if rest:
+            # encode_batch_fast skips the character offsets, which nothing here needs.
+            encoded = self._tok.encode_batch_fast([texts[i] for i in rest], add_special_tokens=False)
+            for i, e in zip(rest, encoded, strict=True):
+                out[i] = e.ids
+        return out
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -153,3 +153,68 @@ def test_train_reads_text_field_of_jsonl(tmp_path):
     tok = load_tokenizer(out)
     assert len(tok.encode(" abcabc")) == 1
     assert tok.token_to_id('"text"') is None  # JSON syntax was not trained on
+
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _stress_texts():
+    import sysconfig
+    from pathlib import Path
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    rng = random.Random(2)
+    chars = [c for c in range(0x30000) if not 0xD800 <= c < 0xE000]
+    return [
+        *[(stdlib / n).read_text(encoding="utf-8") for n in ("argparse.py", "textwrap.py", "locale.py")],
+        "emoji 🎉👩‍👩‍👧 CJK 漢字 combining e\u0301 RTL שלום ١٢٣ ² ½ Ⅷ ۳",
+        "tabs\t\tand\r\nCRLF\n\n\n  \u00a0nbsp \u3000ideo \u2028ls \u0085nel \u200bzw x\u000by\u000cz",
+        "I'M it'S we'LL 12345678 3.14159 ___init___ a__b x--y",
+        "".join(chr(c) for c in rng.sample(chars, 2000)),
+        "".join(rng.choice(" \t\n\r'sS1a.é漢") for _ in range(3000)),
+        "",
+    ]
+
+
+def _variant(trained, tmp_path, kind):
+    """The trained vocabulary behind another pre-tokenizer / normalizer pipeline."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HF
+
+    hf = HF.from_file(str(trained / "tokenizer.json"))
+    if kind == "split":  # Llama 3 / Qwen2 style
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        hf.normalizer = normalizers.NFC()
+    elif kind == "prefix":  # not reproduced: must fall back to the library
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    out = tmp_path / kind
+    out.mkdir()
+    hf.save(str(out / "tokenizer.json"))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "split", "prefix"])
+def test_cached_bpe_gives_the_library_ids(trained, tmp_path, kind):
+    from ladle.bpe_cache import CachedBPE
+
+    tok = load_tokenizer(trained if kind == "bytelevel" else _variant(trained, tmp_path, kind))
+    fast = CachedBPE.for_tokenizer(tok._tok)
+    assert (fast is None) == (kind == "prefix")
+    texts = _stress_texts()
+    texts += ["x = 1 <|eos|> y", "<|bos|>"]  # added-token text: left to the library
+    library = [e.ids for e in tok._tok.encode_batch(texts, add_special_tokens=False)]
+    assert tok.encode_batch(texts) == library
+    assert tok.encode_batch(texts) == library  # again, from a warm word cache
+    if fast is not None:
+        # every stress text took the fast path (none fell back), and added-token text did not
+        assert [fast.encode(t) for t in texts[:-2]] == library[:-2]
+        assert fast.encode(texts[-1]) is None and fast.encode(texts[-2]) is None
+        assert library[-1] == [tok.bos_id]
