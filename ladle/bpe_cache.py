@@ -5,10 +5,9 @@ Hugging Face `tokenizers` spends most of its time per document on bookkeeping (n
 strings, offsets, `Encoding` objects), not on BPE: code and prose repeat the same few hundred
 thousand words. Here a document is split by the very regex the tokenizer's pre-tokenizer uses
 (`regex` module: the same `\\p{L}`/`\\p{N}` classes), each piece's ids come from a dict, and only
-a new piece goes through the tokenizer's own BPE model (`model.tokenize`, merges and all). On the
-standard library's source that is ~2.5x the throughput of `encode_batch_fast` on one core, with
-identical ids (tests/test_tokenizer.py checks them against the library on code, many scripts,
-odd whitespace and special-token strings).
+a new piece goes through the tokenizer's own BPE model (`model.tokenize`, merges and all). The
+ids are the library's (tests/test_tokenizer.py checks them on code, many scripts, odd whitespace
+and special-token strings); `ladle data prepare` runs 2.4x faster with it (docs/performance.md).
 
 Only pipelines whose every step is reproduced here are accepted (`for_tokenizer` returns None
 otherwise and callers keep the library): no normaliser or NFC; a ByteLevel pre-tokenizer with its
