@@ -33,9 +33,10 @@ class RopeScaling(Section):
 
 
 class ModelConfig(Section):
-    """A dense decoder of the Llama family (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`)."""
+    """A dense decoder of the Llama family (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`,
+    Mistral without a sliding window). `family` names the Hugging Face architecture it exports as."""
 
-    family: Literal["llama"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
     vocab_size: int = Field(32000, ge=1)
     dim: int = Field(512, ge=1)
     n_layers: int = Field(8, ge=1)

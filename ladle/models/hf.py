@@ -1,7 +1,9 @@
 """Hugging Face checkpoints in and out: config.json <-> ModelConfig, safetensors <-> our state_dict.
 
-Only `LlamaForCausalLM` for now. The name map is a prefix (our modules mirror HF's `LlamaModel`):
-`model.` + our key, except the head `lm_head.weight`, which is absent when embeddings are tied.
+Dense families: `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v bias), `Qwen3ForCausalLM` (QK-norm,
+free head_dim) and `MistralForCausalLM` (without a sliding window). They share module names, so
+the name map is a prefix (our modules mirror HF's `LlamaModel`): `model.` + our key, except the
+head `lm_head.weight`, which is absent when embeddings are tied.
 No transformers import here: the folder format is plain JSON + safetensors.
 """
 
@@ -20,7 +22,17 @@ from ladle.config.schema import ModelConfig, RopeScaling
 from ladle.errors import CheckpointError
 from ladle.models.llama import Llama
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# family -> (architecture, model_type)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+}
+SUPPORTED_ARCHITECTURES = tuple(arch for arch, _ in FAMILIES.values())
+FAMILY_OF = {arch: fam for fam, (arch, _) in FAMILIES.items()} | {
+    mt: fam for fam, (_, mt) in FAMILIES.items()
+}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,17 +68,18 @@ def from_hf_name(name: str) -> str:
 def hf_config(
     cfg: ModelConfig, *, bos_id=None, eos_id=None, pad_id=None, torch_dtype: str = "float32"
 ) -> dict:
-    """config.json contents for `LlamaForCausalLM`. RoPE is written in both the transformers<5 form
-    (`rope_theta`, `rope_scaling`) and the transformers 5 form (`rope_parameters`)."""
-    if cfg.qk_norm:
+    """config.json contents for the family's architecture (`model.family`). RoPE is written in both
+    the transformers<5 form (`rope_theta`, `rope_scaling`) and the transformers 5 form
+    (`rope_parameters`)."""
+    arch, model_type = FAMILIES[cfg.family]
+    # What each architecture can express: Qwen2 always has q/k/v biases and no QK-norm, Qwen3
+    # always QK-norm (published without biases), Llama and Mistral neither (Llama's
+    # attention_bias would also put a bias on o_proj).
+    has = {"qwen2": (True, False), "qwen3": (False, True)}.get(cfg.family, (False, False))
+    if (cfg.qkv_bias, cfg.qk_norm) != has:
         raise CheckpointError(
-            "model.qk_norm (Qwen3-style q/k RMSNorm) cannot be expressed as LlamaForCausalLM; "
-            "Qwen3 export is not supported yet: set qk_norm: false to export as Llama"
-        )
-    if cfg.qkv_bias:
-        raise CheckpointError(
-            "model.qkv_bias (Qwen2-style) cannot be expressed as LlamaForCausalLM, whose attention_bias "
-            "also puts a bias on o_proj; Qwen2 export is not supported yet"
+            f"model.family={cfg.family} ({arch}) cannot express qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}; "
+            "set model.family to qwen2 for q/k/v biases, qwen3 for QK-norm, llama or mistral for neither"
         )
     rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rope_scaling = None
@@ -80,16 +93,13 @@ def hf_config(
             "original_max_position_embeddings": s.original_max_seq_len,
         }
         rope_parameters = {**rope_scaling, "rope_theta": cfg.rope_theta}
-    d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    d = {"architectures": [arch], "model_type": model_type}
     d.update({hf: getattr(cfg, ours) for ours, hf in CONFIG_MAP.items()})
     d.update(
         num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_size,
         hidden_act="silu",
-        attention_bias=False,
         attention_dropout=0.0,
-        mlp_bias=False,
-        pretraining_tp=1,
         rope_theta=cfg.rope_theta,
         rope_scaling=rope_scaling,
         rope_parameters=rope_parameters,
@@ -100,22 +110,42 @@ def hf_config(
         torch_dtype=torch_dtype,
         dtype=torch_dtype,
     )
+    if cfg.family in ("llama", "qwen3"):
+        d["attention_bias"] = False
+    if cfg.family == "llama":
+        d.update(mlp_bias=False, pretraining_tp=1)
+    if cfg.family in ("qwen2", "qwen3"):
+        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if cfg.family == "mistral":
+        d["sliding_window"] = None
     return d
 
 
 def model_config_from_hf(d: dict, path) -> ModelConfig:
-    """ModelConfig from a `LlamaForCausalLM` config.json dict; `path` names the file in errors."""
-    archs = d.get("architectures") or (["LlamaForCausalLM"] if d.get("model_type") == "llama" else [])
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    """ModelConfig from a config.json dict of a supported architecture; `path` names the file in
+    errors. Anything ladle's model would not compute exactly is refused, never approximated."""
+    archs = d.get("architectures") or [d.get("model_type")]
+    families = [FAMILY_OF[a] for a in archs if a in FAMILY_OF]
+    if not families:
         raise CheckpointError(
-            f"{path}: architecture {archs or d.get('model_type')} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: architecture {archs} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    family = families[0]
     if d.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: hidden_act {d['hidden_act']!r} is not supported, only 'silu'")
     for key in ("attention_bias", "mlp_bias"):
         if d.get(key):
-            raise CheckpointError(f"{path}: {key}: true is not supported (ladle's Llama has no such biases)")
+            raise CheckpointError(
+                f"{path}: {key}: true is not supported ({FAMILIES[family][0]} in ladle has no such biases)"
+            )
+    window = d.get("sliding_window")
+    if d.get("use_sliding_window") or (
+        family == "mistral" and window is not None and window < d.get("max_position_embeddings", 0)
+    ):
+        raise CheckpointError(
+            f"{path}: sliding-window attention (sliding_window={window}) is not supported yet; "
+            "supported: full causal attention (sliding_window null, or use_sliding_window false)"
+        )
     missing = [hf for hf in CONFIG_MAP.values() if hf not in d and hf != "initializer_range"]
     if missing:
         raise CheckpointError(f"{path}: missing keys {missing}")
@@ -148,6 +178,9 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
             head_dim=None if head_dim * n_heads == dim else head_dim,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            family=family,
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
         )
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         raise CheckpointError(f"{path}: config does not describe a valid model: {e}") from e
@@ -182,7 +215,8 @@ def save_hf(
     pad_id=None,
     overwrite: bool = False,
 ) -> Path:
-    """Write a `LlamaForCausalLM` folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+    """Write a Hugging Face folder of the family's architecture that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
     state_dict uses our names (`Llama.state_dict()`); dtype=None keeps each tensor's dtype. Everything is
     written to a temp folder beside out_dir and renamed at the end, so a failure leaves nothing behind.
@@ -309,7 +343,7 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def load_hf(path, *, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[Llama, ModelConfig]:
-    """Load a Hugging Face `LlamaForCausalLM` folder into our Llama on `device` in `dtype`.
+    """Load a Hugging Face folder of a supported architecture into our Llama on `device` in `dtype`.
 
     Tensors are read one at a time from memory-mapped safetensors straight into the materialised model,
     so peak memory is the model plus one tensor. Tied checkpoints that still carry lm_head.weight are

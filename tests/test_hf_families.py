@@ -1,0 +1,152 @@
+"""Each dense Hugging Face family in and out: a random tiny checkpoint written by transformers
+loads into ladle with the same logits and loss, and ladle's export loads back in transformers
+with the same logits. fp32 tolerance: 1e-5 absolute and relative on logits."""
+
+import json
+
+import pytest
+import torch
+
+from ladle.errors import CheckpointError
+from ladle.models.hf import load_hf, model_config_from_hf, save_hf
+
+TOKENS = torch.tensor([[5, 17, 3, 88, 41, 2, 60, 7], [1, 9, 9, 30, 72, 11, 4, 0]])
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+)
+
+
+def _hf_model(family: str, tied: bool):
+    import transformers as tf
+
+    extra = {
+        "llama": {},
+        "qwen2": {"use_sliding_window": False},
+        "qwen3": {
+            "head_dim": 12,
+            "attention_bias": False,
+            "use_sliding_window": False,
+        },  # head_dim != dim/heads
+        "mistral": {"sliding_window": None, "head_dim": 8},
+    }[family]
+    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+    config = getattr(tf, f"{cls}Config")(**COMMON, **extra, tie_word_embeddings=tied, rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = getattr(tf, f"{cls}ForCausalLM")(config).eval()
+    with torch.no_grad():  # biases start at zero and norm weights at one: make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _logits(hf_folder_or_model):
+    from transformers import AutoModelForCausalLM
+
+    m = hf_folder_or_model
+    if not isinstance(m, torch.nn.Module):
+        m = AutoModelForCausalLM.from_pretrained(m, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(TOKENS).logits, m(TOKENS, labels=TOKENS).loss
+
+
+@pytest.mark.parametrize(
+    "family,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False), ("mistral", False)]
+)
+def test_family_round_trip_with_transformers(tmp_path, family, tied):
+    from ladle.train.loss import cross_entropy_sum
+
+    hf = _hf_model(family, tied)
+    hf.save_pretrained(tmp_path / "hf")
+    ref_logits, ref_loss = _logits(hf)
+
+    model, cfg = load_hf(tmp_path / "hf")
+    assert cfg.family == family and cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    assert cfg.tie_embeddings == tied
+    with torch.no_grad():
+        ours = model(TOKENS)
+        loss = cross_entropy_sum(ours[:, :-1], TOKENS[:, 1:]) / TOKENS[:, 1:].numel()
+    torch.testing.assert_close(ours, ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+
+    out = save_hf(model.state_dict(), cfg, tmp_path / "export")
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["architectures"] == [type(hf).__name__] and exported["model_type"] == hf.config.model_type
+    back_logits, _ = _logits(out)
+    torch.testing.assert_close(back_logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert model_config_from_hf(exported, "config.json") == cfg
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "supported: LlamaForCausalLM, Qwen2"),
+        (
+            {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 16},
+            "sliding-window",
+        ),
+        (
+            {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True},
+            "sliding-window",
+        ),
+        (
+            {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
+            "attention_bias",
+        ),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(change, message):
+    d = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **COMMON,
+        "tie_word_embeddings": False,
+        **change,
+    }
+    with pytest.raises(CheckpointError, match=message):
+        model_config_from_hf(d, "config.json")
+
+
+def test_export_refuses_a_family_that_cannot_express_the_model():
+    from ladle.config.schema import ModelConfig
+
+    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=4, ffn_dim=64, qkv_bias=True, family="qwen3")
+    with pytest.raises(CheckpointError, match="set model.family to qwen2 for q/k/v biases"):
+        from ladle.models.hf import hf_config
+
+        hf_config(cfg)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_family_greedy_generation_matches_transformers(tmp_path, family):
+    from ladle.generation import generate
+
+    hf = _hf_model(family, tied=False)
+    hf.save_pretrained(tmp_path / "hf")
+    model, _ = load_hf(tmp_path / "hf")
+    prompts = [[5, 17, 3, 88, 41, 2, 60], [9, 30, 72]]
+    ours = generate(model.eval(), prompts, max_new_tokens=10)
+    P = max(map(len, prompts))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=10,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    assert out[:, P:].tolist() == ours
