@@ -63,6 +63,9 @@ def cmd_validate(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if not args.no_paths:
+        from ladle.models.hf import resolve_config
+
+        cfg = resolve_config(cfg)
         check_all(cfg)
     sys.stdout.write(to_yaml(cfg))
     print(f"# config hash: {config_hash(cfg)}", file=sys.stderr)

@@ -345,3 +345,58 @@ def test_compiled_blocks_train_like_eager(tiny_config, tmp_path):
     assert val_losses(tmp_path / "compiled")[4] == pytest.approx(val_losses(tmp_path / "eager")[4], rel=1e-4)
     metadata = (latest_checkpoint(tmp_path / "compiled") / ".metadata").read_bytes()
     assert b"_orig_mod" not in metadata and b"layers.0.mlp.up_proj.weight" in metadata
+
+
+def _hf_checkpoint(folder, qwen3=False):
+    """A random tiny transformers checkpoint with tiny_config's shape."""
+    import transformers as tf
+
+    kw = dict(
+        vocab_size=512,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(3)
+    cls, conf = (tf.Qwen3ForCausalLM, tf.Qwen3Config) if qwen3 else (tf.LlamaForCausalLM, tf.LlamaConfig)
+    model = cls(conf(**kw, **({"head_dim": 12} if qwen3 else {})))  # head_dim != dim / heads
+    model.save_pretrained(folder)
+    return {k.removeprefix("model."): v for k, v in model.state_dict().items()}
+
+
+def test_init_from_starts_from_the_hf_weights_and_shape(tiny_config, tmp_path, capsys):
+    hf_weights = _hf_checkpoint(tmp_path / "hf", qwen3=True)
+    cfg = {**tiny_config, "model": {"init_from": str(tmp_path / "hf"), "max_seq_len": 64}}
+    assert main(["validate", "--config", str(_write_config(cfg, tmp_path / "c.yaml"))]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert shown["family"] == "qwen3" and shown["head_dim"] == 12 and shown["max_seq_len"] == 64
+    run(cfg, "train.max_steps=1", "optim.lr=1e-12", "scheduler.name=constant", "train.eval_every=0")
+    out = Path(tiny_config["output_dir"])
+    saved = yaml.safe_load((out / "config.yaml").read_text())["model"]
+    assert (
+        saved["family"] == "qwen3"
+        and saved["qk_norm"]
+        and saved["head_dim"] == 12
+        and saved["max_seq_len"] == 64
+    )
+    assert "weights from" in (out / "events.log").read_text()
+    from ladle.train.export import load_any_model
+
+    model, _ = load_any_model(latest_checkpoint(out))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, hf_weights[name], atol=1e-6, rtol=0)  # lr 1e-12: untouched
+
+
+def test_init_from_refuses_a_conflicting_shape(tiny_config, tmp_path):
+    _hf_checkpoint(tmp_path / "hf")
+    tiny_config["model"] = {**tiny_config["model"], "init_from": str(tmp_path / "hf")}
+    run(tiny_config, "train.max_steps=3", "train.eval_every=0")  # the same shape spelled out: fine
+    with pytest.raises(ConfigError, match=r"model.dim=48 \(config.json: 32\).*remove those keys"):
+        run(tiny_config, "model.dim=48", f"output_dir={tmp_path / 'other'}")
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        run(tiny_config, f"model.init_from={tmp_path}", f"output_dir={tmp_path / 'other'}")

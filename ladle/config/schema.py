@@ -52,6 +52,10 @@ class ModelConfig(Section):
     qkv_bias: bool = False
     qk_norm: bool = False
     init_std: float = Field(0.02, gt=0)
+    init_from: str | None = Field(
+        None,
+        description="a Hugging Face model folder to start from: its config.json fills the shape, its weights the model",
+    )
 
     @property
     def kv_heads(self) -> int:

@@ -15,11 +15,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ladle.config.schema import ModelConfig, RopeScaling
-from ladle.errors import CheckpointError
+from ladle.config.load import format_validation_error
+from ladle.config.schema import LadleConfig, ModelConfig, RopeScaling
+from ladle.errors import CheckpointError, ConfigError
 from ladle.models.llama import Llama
 
 # family -> (architecture, model_type)
@@ -342,13 +344,12 @@ def _weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} with the weights{hint}")
 
 
-def load_hf(path, *, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[Llama, ModelConfig]:
-    """Load a Hugging Face folder of a supported architecture into our Llama on `device` in `dtype`.
+# Fields a run may set differently from the checkpoint it starts from.
+FREE_WITH_INIT_FROM = ("init_from", "init_std", "max_seq_len")
 
-    Tensors are read one at a time from memory-mapped safetensors straight into the materialised model,
-    so peak memory is the model plus one tensor. Tied checkpoints that still carry lm_head.weight are
-    accepted (the copy is ignored, as transformers does).
-    """
+
+def read_hf_config(path) -> ModelConfig:
+    """ModelConfig of a Hugging Face model folder's config.json."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a folder; expected a Hugging Face model folder")
@@ -359,14 +360,65 @@ def load_hf(path, *, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[
         d = json.loads(config_file.read_text())
     except ValueError as e:
         raise CheckpointError(f"{config_file}: not valid JSON ({e})") from e
-    cfg = model_config_from_hf(d, config_file)
-    files = _weight_files(folder)
+    return model_config_from_hf(d, config_file)
 
+
+def resolve_init_from(cfg: ModelConfig) -> ModelConfig:
+    """With `init_from`, the model shape is the checkpoint's: fields the config leaves out are
+    filled from its config.json, and a field the config sets differently is an error (a run
+    never silently trains another shape than the weights it loads). max_seq_len and init_std
+    stay the config's."""
+    if not cfg.init_from:
+        return cfg
+    hf = read_hf_config(cfg.init_from)
+    conflicts = [
+        f"model.{f}={getattr(cfg, f)!r} (config.json: {getattr(hf, f)!r})"
+        for f in sorted(cfg.model_fields_set)
+        if f not in FREE_WITH_INIT_FROM and getattr(cfg, f) != getattr(hf, f)
+    ]
+    if conflicts:
+        raise ConfigError(
+            f"model.init_from={cfg.init_from} disagrees with the config: {', '.join(conflicts)}; "
+            "remove those keys from the model section (the checkpoint defines the shape) or fix them"
+        )
+    keep = {f: getattr(cfg, f) for f in FREE_WITH_INIT_FROM if f in cfg.model_fields_set}
+    return ModelConfig(**{**hf.model_dump(), **keep})
+
+
+def resolve_config(cfg: LadleConfig) -> LadleConfig:
+    """The run config with `model.init_from` resolved (see resolve_init_from), checked again as a
+    whole (e.g. data.seq_len against the filled max_seq_len). Recipes and `ladle validate` call it."""
+    if not cfg.model.init_from:
+        return cfg
+    model = resolve_init_from(cfg.model)
+    try:
+        return LadleConfig.model_validate({**cfg.model_dump(), "model": model.model_dump()})
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, f"model.init_from={cfg.model.init_from}")) from None
+
+
+def load_hf(path, *, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[Llama, ModelConfig]:
+    """Load a Hugging Face folder of a supported architecture into our Llama on `device` in `dtype`.
+
+    Tensors are read one at a time from memory-mapped safetensors straight into the materialised model,
+    so peak memory is the model plus one tensor. Tied checkpoints that still carry lm_head.weight are
+    accepted (the copy is ignored, as transformers does).
+    """
+    cfg = read_hf_config(path)
     with torch.device("meta"):
         model = Llama(cfg)
     model.to(dtype=dtype)
     model.to_empty(device=device)
     model.init_buffers()
+    load_hf_weights(model, path)
+    return model, cfg
+
+
+def load_hf_weights(model: Llama, path) -> None:
+    """Fill `model` (its own device and dtype) from the safetensors of a Hugging Face folder, tensor
+    by tensor; every missing, unexpected or mis-shaped tensor is reported by name first."""
+    folder, cfg = Path(path), model.cfg
+    files = _weight_files(folder)
     params = model.state_dict()
 
     # Pass 1: headers only, so every problem is reported at once before any copying.
@@ -399,4 +451,3 @@ def load_hf(path, *, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[
                 raise CheckpointError(
                     f"{f}: cannot read tensor data ({e}); it is truncated or corrupt: re-export or re-download it"
                 ) from e
-    return model, cfg

@@ -12,6 +12,7 @@ from ladle.config import LadleConfig
 from ladle.config.checks import check_all
 from ladle.data.loader import BatchLayout, PackedSamples, PretrainLoader, eval_batch_count, eval_batches
 from ladle.data.prepare import open_split
+from ladle.models.hf import load_hf_weights, resolve_config
 from ladle.models.llama import build_model, count_params
 from ladle.parallel.compile import compile_blocks, eager
 from ladle.train.loop import Trainer
@@ -26,7 +27,11 @@ def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
-    model = build_model(cfg.model, device=device, dtype=param_dtype)
+    # From init_from (or a checkpoint) every tensor is overwritten: skip the random init then.
+    model = build_model(cfg.model, device=device, dtype=param_dtype, init=not cfg.model.init_from)
+    if cfg.model.init_from and resume is None:  # a resumed run has its weights in the checkpoint
+        load_hf_weights(model, cfg.model.init_from)
+        run.events(f"weights from {cfg.model.init_from}")
     if t.compile:
         compile_blocks(model)
     if dist.world_size() > 1:
@@ -95,6 +100,7 @@ def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
 
 
 def run(cfg: LadleConfig) -> str:
+    cfg = resolve_config(cfg)  # model.init_from: the shape comes from the checkpoint
     found = check_all(cfg)  # tokenizer and data, before anything is written
     resume = resolve_resume(cfg)
     device = dev.pick_device(cfg.train.device, dist.local_rank())
