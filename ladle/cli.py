@@ -154,6 +154,27 @@ def cmd_export_hf(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    import json
+
+    from ladle.train.evaluate import check_data_fits, evaluate
+    from ladle.train.export import load_any_model
+
+    model, tok = load_any_model(args.model, tokenizer=args.tokenizer)
+    check_data_fits(args.data, tok, model.cfg.vocab_size)
+    result = evaluate(
+        model,
+        args.data,
+        split=args.split,
+        seq_len=args.seq_len or min(model.cfg.max_seq_len, 1024),
+        batch_size=args.batch_size,
+        max_batches=args.max_batches,
+        doc_mask=not args.no_doc_mask,
+    )
+    print(json.dumps({"model": str(args.model), "data": str(args.data), **result}))
+    return 0
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -262,6 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     e.add_argument("--max-shard-gb", type=float, default=5.0)
     e.set_defaults(fn=cmd_export_hf)
+
+    s = sub.add_parser(
+        "eval", help="loss and perplexity of a checkpoint or Hugging Face folder on prepared data"
+    )
+    s.add_argument("--model", required=True, help="a run directory, checkpoint or Hugging Face folder")
+    s.add_argument("--data", required=True, help="a folder made by `ladle data prepare` (or Megatron shards)")
+    s.add_argument("--split", default="val", choices=["train", "val"])
+    s.add_argument("--seq-len", type=int, default=0, help="default: the model's max_seq_len, at most 1024")
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--max-batches", type=int, default=0, help="0: the whole split")
+    s.add_argument(
+        "--no-doc-mask", action="store_true", help="plain causal rows, as transformers computes them"
+    )
+    s.add_argument("--tokenizer", default=None, help="default: the model's own")
+    s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("generate", help="sample from a checkpoint or Hugging Face folder")
     s.add_argument("--model", required=True)

@@ -142,3 +142,46 @@ def test_tokenizer_prepare_inspect_through_the_cli(corpus, tmp_path, capsys):
     assert prepare(tmp_path / "strict", "--strict") == 2
     assert "bad.py:2: undecodable bytes" in capsys.readouterr().err
     assert not (tmp_path / "strict").exists()
+
+
+def test_eval_equals_transformers_and_the_runs_validation(trained_run, data_dir, corpus, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from ladle.data.loader import PackedSamples, collate
+    from ladle.data.prepare import open_split
+    from ladle.train.metrics import read_metrics
+
+    out = tmp_path / "hf"
+    main(["export", "hf", str(trained_run), str(out)])
+    capsys.readouterr()
+    # Plain causal rows: what transformers computes for the same tokens.
+    base = ["eval", "--model", str(out), "--data", str(data_dir), "--seq-len", "32", "--batch-size", "4"]
+    assert main([*base, "--no-doc-mask", "--max-batches", "3"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    rows = PackedSamples(open_split(data_dir, "val"), 32)
+    batch = collate([rows.get(i) for i in range(12)])
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(batch["tokens"]).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+    assert got["tokens"] == 12 * 32 and got["samples"] == 12 and got["doc_mask"] is False
+    assert got["loss"] == pytest.approx(ref.item(), rel=1e-5)
+    assert got["ppl"] == pytest.approx(float(ref.exp()), rel=1e-5)
+
+    # Document-masked (the default): the run's own final validation, same 2 x 2 samples.
+    val = [r for r in read_metrics(trained_run) if "val_loss" in r][-1]["val_loss"]
+    assert (
+        main(
+            ["eval", "--model", str(trained_run), "--data", str(data_dir), "--seq-len", "32"]
+            + ["--batch-size", "2", "--max-batches", "2"]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(val, rel=1e-6)
+
+    # Data tokenized by another tokenizer: exit 2, named.
+    from ladle.tokenizer import train_tokenizer
+
+    other = train_tokenizer([str(corpus)], vocab_size=300, output=str(tmp_path / "other"))
+    assert main([*base, "--tokenizer", str(other)]) == 2
+    assert "prepared with a different tokenizer" in capsys.readouterr().err
