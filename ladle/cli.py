@@ -31,13 +31,16 @@ def _recipe(name: str):
 
 # -- config commands ---------------------------------------------------------------------------
 def cmd_ls(args) -> int:
-    from ladle.config.load import bundled_configs
+    from ladle.config.load import bundled_configs, model_presets
 
     print("recipes:")
     for name in RECIPES:
         print(f"  {name}")
     print("configs:")
     for name in bundled_configs():
+        print(f"  {name}")
+    print("models (model.preset):")
+    for name in model_presets():
         print(f"  {name}")
     return 0
 

@@ -57,7 +57,7 @@ def test_generate_json_from_checkpoint_and_export_agree(trained_run, tmp_path, c
 def test_ls_and_cp(tmp_path, capsys):
     assert main(["ls"]) == 0
     listing = capsys.readouterr().out
-    assert "pretrain" in listing and "tiny/pretrain" in listing
+    assert "pretrain" in listing and "tiny/pretrain" in listing and "  qwen3-8b" in listing
     assert main(["cp", "tiny/pretrain", str(tmp_path)]) == 0
     assert (tmp_path / "pretrain.yaml").is_file()
     assert main(["cp", "tiny/pretrain", str(tmp_path)]) == 2

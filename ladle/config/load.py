@@ -19,6 +19,7 @@ from ladle.config.schema import LadleConfig
 from ladle.errors import ConfigError
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+PRESET_ROOT = Path(__file__).resolve().parent / "presets"
 
 
 def bundled_configs() -> list[str]:
@@ -128,10 +129,34 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return head + ("\n  " + "\n  ".join(lines) if len(lines) > 1 else lines[0])
 
 
+def model_presets() -> list[str]:
+    """Names of the bundled model definitions (`ladle/config/presets/NAME.yaml`)."""
+    return sorted(p.stem for p in PRESET_ROOT.glob("*.yaml"))
+
+
+def apply_preset(data: dict) -> None:
+    """`model.preset: NAME` fills the model section from the bundled definition; keys the config
+    sets itself win (e.g. a shorter max_seq_len)."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not model.get("preset"):
+        return
+    name = model["preset"]
+    f = PRESET_ROOT / f"{name}.yaml"
+    if not isinstance(name, str) or not f.is_file():
+        hint = difflib.get_close_matches(str(name), model_presets(), n=1)
+        raise ConfigError(
+            f"model.preset: unknown model {name!r}"
+            + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            + f"; bundled: {', '.join(model_presets())}"
+        )
+    data["model"] = {**read_yaml(f), **model}
+
+
 def build_config(data: dict, overrides: list[str] = (), source: str = "") -> LadleConfig:
     data = json.loads(json.dumps(data))  # deep copy; overrides never touch the caller's dict
     for text in overrides:
         apply_override(data, *parse_override(text))
+    apply_preset(data)
     try:
         return LadleConfig.model_validate(data)
     except ValidationError as e:

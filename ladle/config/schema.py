@@ -36,6 +36,10 @@ class ModelConfig(Section):
     """A dense decoder of the Llama family (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`,
     Mistral without a sliding window). `family` names the Hugging Face architecture it exports as."""
 
+    preset: str | None = Field(
+        None,
+        description="a bundled model definition (e.g. llama-3.1-8b) that fills this section's other keys",
+    )
     family: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
     vocab_size: int = Field(32000, ge=1)
     dim: int = Field(512, ge=1)

@@ -1,0 +1,59 @@
+"""The bundled model definitions: the parameter count equals transformers' for the same config
+(built on the meta device), and the published size, so a typo in a shape cannot hide."""
+
+import pytest
+import torch
+
+from ladle.config.load import build_config, model_presets
+from ladle.errors import ConfigError
+from ladle.models.hf import hf_config
+from ladle.models.llama import count_params
+
+# Published sizes (total parameters, billions, as the model cards and safetensors indexes give them).
+PUBLISHED = {
+    "llama-3.2-1b": 1.236,
+    "llama-3.2-3b": 3.213,
+    "llama-3.1-8b": 8.030,
+    "llama-3.1-70b": 70.554,
+    "llama-2-70b": 68.977,
+    "qwen2.5-0.5b": 0.494,
+    "qwen2.5-1.5b": 1.544,
+    "qwen2.5-7b": 7.616,
+    "qwen3-0.6b": 0.596,
+    "qwen3-8b": 8.191,
+    "qwen3-32b": 32.762,
+    "mistral-7b": 7.248,
+}
+
+
+def _cfg(preset, **model):
+    return build_config(
+        {"model": {"preset": preset, **model}, "tokenizer": {"path": "t"}, "data": {"path": "d"}}
+    )
+
+
+def test_every_preset_is_listed():
+    assert model_presets() == sorted(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_counts_match_transformers_and_the_published_size(name):
+    import transformers
+
+    cfg = _cfg(name).model
+    d = hf_config(cfg)
+    conf = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(conf)
+    theirs = sum(p.numel() for p in hf.parameters())  # tied weights are counted once
+    assert count_params(cfg) == theirs
+    assert theirs / 1e9 == pytest.approx(PUBLISHED[name], abs=0.0015)
+
+
+def test_preset_keys_set_beside_it_win_and_unknown_names_are_refused():
+    cfg = _cfg("qwen3-8b", max_seq_len=4096)
+    assert cfg.model.max_seq_len == 4096 and cfg.model.dim == 4096 and cfg.model.qk_norm
+    with pytest.raises(
+        ConfigError, match=r"unknown model 'qwen3-9b' \(did you mean 'qwen3-8b'\?\); bundled: llama"
+    ):
+        _cfg("qwen3-9b")
