@@ -128,6 +128,7 @@ class Tokenizer:
         self.eos_id = self._special_id(config, "eos")
         self.pad_id = self._special_id(config, "pad")
         self._fast: CachedBPE | None | bool = False  # built on first encode_batch (see bpe_cache)
+        self._config = config
 
     def _special_id(self, config: dict, kind: str) -> int | None:
         key = f"{kind}_token"
@@ -156,6 +157,22 @@ class Tokenizer:
             for i, e in zip(rest, encoded, strict=True):
                 out[i] = e.ids
         return out
+
+    @property
+    def chat_template(self):
+        """The folder's chat template (`ladle.data.chat.ChatTemplate`), or None."""
+        from ladle.data.chat import ChatTemplate
+
+        return ChatTemplate.from_config(self._config)
+
+    def apply_chat_template(
+        self, messages: list[dict], *, add_generation_prompt: bool = False, **kw
+    ) -> list[int]:
+        """Token ids of a rendered chat, as `transformers`' `apply_chat_template(tokenize=True)`."""
+        template = self.chat_template
+        if template is None:
+            raise DataError(f"tokenizer {self.path} has no chat_template in tokenizer_config.json")
+        return self.encode(template.render(messages, add_generation_prompt=add_generation_prompt, **kw))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
