@@ -181,7 +181,7 @@ def cmd_eval(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from ladle.generation import generate
+    from ladle.generation import generate, stop_strings, truncate_at_stop
     from ladle.train.export import load_any_model
 
     model, tok = load_any_model(args.model, tokenizer=args.tokenizer)
@@ -204,9 +204,10 @@ def cmd_generate(args) -> int:
         eos_id=tok.eos_id,
         pad_id=tok.pad_id or 0,
         generator=gen,
+        stop=stop_strings(tok.decode, args.stop) if args.stop else None,
     )
     for prompt, out in zip(prompts, outs, strict=True):
-        text = tok.decode(out)
+        text = truncate_at_stop(tok.decode(out), args.stop or [])
         if args.json:
             print(json.dumps({"prompt": prompt, "text": text, "tokens": out}))
         else:
@@ -312,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--add-bos", action="store_true")
+    s.add_argument(
+        "--stop", action="append", help="repeatable; a row ends at this text, which is cut from the output"
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_generate)
     return p

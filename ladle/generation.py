@@ -7,6 +7,8 @@ each prompt's first real token, so a padded prompt generates exactly what it wou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -55,8 +57,10 @@ def generate(
     eos_id: int | None = None,
     pad_id: int = 0,
     generator: torch.Generator | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[list[int]]:
-    """The new tokens for each prompt (up to and including eos_id, when given).
+    """The new tokens for each prompt (up to and including eos_id, when given). `stop(new_tokens)`,
+    called after each token of a row, ends that row when true (see `stop_strings`).
 
     `model` is a ladle Llama (anything with `new_cache` and `forward(tokens, positions, doc_ids, cache)`).
     The whole batch is prefilled in one forward pass, then one token per step through the KV cache.
@@ -87,10 +91,30 @@ def generate(
         for i, t in enumerate(nxt.tolist()):
             if not done[i]:
                 out[i].append(t)
-                done[i] = eos_id is not None and t == eos_id
+                done[i] = (eos_id is not None and t == eos_id) or (stop is not None and stop(out[i]))
         if all(done) or step == max_new_tokens - 1:
             break
         # Finished rows keep decoding (their tokens are dropped): simpler than shrinking the batch.
         logits = model(nxt[:, None], positions=pos, doc_ids=ones, cache=cache)[:, -1]
         pos = pos + 1
     return out
+
+
+def stop_strings(decode: Callable[[list[int]], str], strings: list[str]) -> Callable[[list[int]], bool]:
+    """A `stop` for generate: true once the decoded new tokens contain one of `strings`. Only the
+    tail is decoded (a stop string spans at most that many tokens, since a token is at least one
+    byte), so each check costs the same however long the output grows."""
+    strings = [x for x in strings if x]
+    window = max((len(x.encode("utf-8")) for x in strings), default=0) + 8
+
+    def stop(tokens: list[int]) -> bool:
+        tail = decode(tokens[-window:])
+        return any(x in tail for x in strings)
+
+    return stop
+
+
+def truncate_at_stop(text: str, strings: list[str]) -> str:
+    """`text` up to (without) the first occurrence of any of `strings`."""
+    cut = min((i for x in strings if x and (i := text.find(x)) >= 0), default=len(text))
+    return text[:cut]

@@ -185,3 +185,16 @@ def test_eval_equals_transformers_and_the_runs_validation(trained_run, data_dir,
     other = train_tokenizer([str(corpus)], vocab_size=300, output=str(tmp_path / "other"))
     assert main([*base, "--tokenizer", str(other)]) == 2
     assert "prepared with a different tokenizer" in capsys.readouterr().err
+
+
+def test_generate_stops_at_a_stop_string(trained_run, capsys):
+    args = ["generate", "--model", str(trained_run), "--prompt", "def ", "--max-new-tokens", "24", "--json"]
+    assert main(args) == 0
+    full = json.loads(capsys.readouterr().out)
+    text = full["text"]
+    stop = text[len(text) // 3 : len(text) // 3 + 2]
+    assert main([*args, "--stop", stop, "--stop", "never-there"]) == 0
+    cut = json.loads(capsys.readouterr().out)
+    assert cut["text"] == text[: text.find(stop)]
+    assert len(cut["tokens"]) < len(full["tokens"])  # generation itself stopped early
+    assert cut["tokens"] == full["tokens"][: len(cut["tokens"])]

@@ -105,3 +105,17 @@ def test_eos_stops_sequence():
     assert out[0] == free[0][: cut + 1]
     stop1 = free[1].index(eos) + 1 if eos in free[1] else 10
     assert out[1] == free[1][:stop1]
+
+
+def test_stop_strings_and_truncation():
+    from ladle.generation import stop_strings, truncate_at_stop
+
+    decode = lambda ids: "".join(chr(97 + i) for i in ids)  # noqa: E731
+    stop = stop_strings(decode, ["cd", "", "zz"])
+    assert not stop([0, 1, 2]) and stop([0, 1, 2, 3]) and stop(list(range(30)) + [2, 3])
+    assert truncate_at_stop("abcdefcd", ["cd", "f"]) == "ab" and truncate_at_stop("abc", ["x"]) == "abc"
+    model = tiny_model()
+    free = generate(model, PROMPTS, max_new_tokens=8)
+    first = free[0][2]
+    out = generate(model, PROMPTS, max_new_tokens=8, stop=lambda toks: toks[-1] == first)
+    assert out[0] == free[0][: free[0].index(first) + 1]
