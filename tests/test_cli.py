@@ -198,3 +198,14 @@ def test_generate_stops_at_a_stop_string(trained_run, capsys):
     assert cut["text"] == text[: text.find(stop)]
     assert len(cut["tokens"]) < len(full["tokens"])  # generation itself stopped early
     assert cut["tokens"] == full["tokens"][: len(cut["tokens"])]
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(trained_run, corpus, tmp_path, capsys):
+    from ladle.tokenizer import train_tokenizer
+
+    big = train_tokenizer(
+        [str(corpus)], vocab_size=900, output=str(tmp_path / "big")
+    )  # the model has 512 rows
+    for cmd in (["generate", "--prompt", "x"], ["eval", "--data", str(tmp_path)]):
+        assert main([cmd[0], "--model", str(trained_run), "--tokenizer", str(big), *cmd[1:]]) == 2
+        assert "more than the 512 embedding rows" in capsys.readouterr().err

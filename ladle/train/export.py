@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from ladle.config import ModelConfig
-from ladle.errors import CheckpointError
+from ladle.errors import CheckpointError, DataError
 from ladle.train.checkpoint import STATE_FILE, latest_checkpoint, load_model_weights
 
 
@@ -58,7 +58,13 @@ def load_any_model(path: str | Path, device="cpu", dtype=torch.float32, tokenize
     else:
         model, _, run_cfg = load_checkpoint_model(p, device=device, dtype=dtype)
         tok_dir = tokenizer or run_cfg["tokenizer"]["path"]
-    return model.eval(), load_tokenizer(tok_dir)
+    tok = load_tokenizer(tok_dir)
+    if tok.vocab_size > model.cfg.vocab_size:
+        raise DataError(
+            f"the tokenizer at {tok_dir} has {tok.vocab_size} tokens, more than the {model.cfg.vocab_size} "
+            f"embedding rows of {p}: it is not this model's tokenizer (pass the right one with --tokenizer)"
+        )
+    return model.eval(), tok
 
 
 def export_hf(
