@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -438,16 +439,52 @@ def load_hf_weights(model: Llama, path) -> None:
             ) from e
     _check_names_shapes(found, params, str(folder), where)
 
-    # Pass 2: copy tensor by tensor (copy_ casts to the model dtype and moves to its device).
+    # Pass 2: read tensor by tensor with plain file reads, straight into the parameter when the
+    # dtype matches (else through one temporary tensor, cast by copy_). No mmap, so the file's
+    # pages never count as this process's memory: peak RSS is the model plus one tensor.
     with torch.no_grad():
         for f in files:
             try:
-                with safe_open(f, framework="pt", device="cpu") as sf:
-                    for hf_key in sf.keys():
+                with open(f, "rb") as fh:
+                    (n,) = struct.unpack("<Q", fh.read(8))
+                    header = json.loads(fh.read(n))
+                    for hf_key, info in header.items():
                         name = from_hf_name(hf_key)
-                        if where.get(name) == f:
-                            params[name].copy_(sf.get_tensor(hf_key))
-            except (SafetensorError, OSError) as e:
+                        if hf_key != "__metadata__" and where.get(name) == f:
+                            _read_into(fh, 8 + n, info, params[name])
+            except (OSError, ValueError, KeyError) as e:
                 raise CheckpointError(
                     f"{f}: cannot read tensor data ({e}); it is truncated or corrupt: re-export or re-download it"
                 ) from e
+
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _read_into(fh, data_start: int, info: dict, dst: torch.Tensor) -> None:
+    """Read one safetensors entry (little-endian, as this machine) into `dst`."""
+    dtype = _ST_DTYPES[info["dtype"]]
+    start, end = info["data_offsets"]
+    direct = dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous()
+    target = dst if direct else torch.empty(info["shape"], dtype=dtype)
+    if target.numel() * target.element_size() != end - start:
+        raise ValueError(
+            f"entry size {end - start} bytes does not match shape {info['shape']} {info['dtype']}"
+        )
+    fh.seek(data_start + start)
+    view = memoryview(target.view(-1).view(torch.uint8).numpy())
+    if fh.readinto(view) != end - start:
+        raise ValueError("file ends inside a tensor")
+    if not direct:
+        dst.copy_(target)
