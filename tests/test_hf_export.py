@@ -194,3 +194,16 @@ def test_load_errors_sharded(tmp_path):
     (out / victim).unlink()
     with pytest.raises(CheckpointError, match=rf"lists shards that are not in .*{victim}"):
         load_hf(out)
+
+
+def test_load_converts_dtype_on_the_way_in(tmp_path):
+    # bf16 files into an fp32 model (through a temporary) and into a bf16 model (read in place).
+    torch.manual_seed(0)
+    cfg = tiny(n_kv_heads=2)
+    model = build_model(cfg)
+    out = save_hf(model.state_dict(), cfg, tmp_path / "bf16", dtype=torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded, _ = load_hf(out, dtype=dtype)
+        for name, value in loaded.state_dict().items():
+            assert value.dtype == dtype
+            assert torch.equal(value, model.state_dict()[name].to(torch.bfloat16).to(dtype)), name
