@@ -18,17 +18,7 @@ import statistics
 import time
 
 import torch
-
-BENCH_30M = dict(
-    vocab_size=8192,
-    dim=512,
-    n_layers=8,
-    n_heads=8,
-    n_kv_heads=4,
-    ffn_dim=1408,
-    max_seq_len=512,
-    tie_embeddings=False,
-)
+from bench30m import BENCH_30M
 
 
 def main() -> None:

@@ -27,17 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+from bench30m import BENCH_30M
 
-BENCH_30M = {
-    "vocab_size": 8192,
-    "dim": 512,
-    "n_layers": 8,
-    "n_heads": 8,
-    "n_kv_heads": 4,
-    "ffn_dim": 1408,
-    "max_seq_len": 512,
-    "tie_embeddings": False,
-}
 EXCLUDE = ["site-packages/*", "test/*", "idlelib/idle_test/*", "lib2to3/tests/*"]
 
 

@@ -11,6 +11,7 @@ The saved folder (`tokenizer.json` + `tokenizer_config.json`) loads with `load_t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -127,7 +128,6 @@ class Tokenizer:
         self.bos_id = self._special_id(config, "bos")
         self.eos_id = self._special_id(config, "eos")
         self.pad_id = self._special_id(config, "pad")
-        self._fast: CachedBPE | None | bool = False  # built on first encode_batch (see bpe_cache)
         self._config = config
 
     def _special_id(self, config: dict, kind: str) -> int | None:
@@ -145,10 +145,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    @functools.cached_property
+    def _fast(self) -> CachedBPE | None:
+        return CachedBPE.for_tokenizer(self._tok)  # built on first encode_batch (see bpe_cache)
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Ids of many texts, as `encode` gives them; the bulk path of `ladle data prepare`."""
-        if self._fast is False:
-            self._fast = CachedBPE.for_tokenizer(self._tok)
         out = [self._fast.encode(t) for t in texts] if self._fast else [None] * len(texts)
         rest = [i for i, ids in enumerate(out) if ids is None]
         if rest:
@@ -158,9 +160,9 @@ class Tokenizer:
                 out[i] = e.ids
         return out
 
-    @property
+    @functools.cached_property
     def chat_template(self):
-        """The folder's chat template (`ladle.data.chat.ChatTemplate`), or None."""
+        """The folder's chat template (`ladle.data.chat.ChatTemplate`), or None; compiled once."""
         from ladle.data.chat import ChatTemplate
 
         return ChatTemplate.from_config(self._config)

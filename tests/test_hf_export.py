@@ -207,3 +207,14 @@ def test_load_converts_dtype_on_the_way_in(tmp_path):
         for name, value in loaded.state_dict().items():
             assert value.dtype == dtype
             assert torch.equal(value, model.state_dict()[name].to(torch.bfloat16).to(dtype)), name
+
+
+def test_load_names_an_unsupported_tensor_dtype(saved):
+    _, _, out = saved
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.float8_e4m3fn)
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(
+        CheckpointError, match=r"tensor model\.norm\.weight has dtype 'F8_E4M3'.*supported: F64"
+    ):
+        load_hf(out)

@@ -10,6 +10,7 @@ No transformers import here: the folder format is plain JSON + safetensors.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ladle.config.load import format_validation_error
@@ -25,6 +25,15 @@ from ladle.config.schema import LadleConfig, ModelConfig, RopeScaling
 from ladle.errors import CheckpointError, ConfigError
 from ladle.models.llama import Llama
 
+# What each architecture expresses, as (qkv_bias, qk_norm): Qwen2 always has q/k/v biases and no
+# QK-norm, Qwen3 always QK-norm (published without biases), Llama and Mistral neither (Llama's
+# attention_bias would also put a bias on o_proj).
+FAMILY_FEATURES = {
+    "llama": (False, False),
+    "qwen2": (True, False),
+    "qwen3": (False, True),
+    "mistral": (False, False),
+}
 # family -> (architecture, model_type)
 FAMILIES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -75,11 +84,7 @@ def hf_config(
     the transformers<5 form (`rope_theta`, `rope_scaling`) and the transformers 5 form
     (`rope_parameters`)."""
     arch, model_type = FAMILIES[cfg.family]
-    # What each architecture can express: Qwen2 always has q/k/v biases and no QK-norm, Qwen3
-    # always QK-norm (published without biases), Llama and Mistral neither (Llama's
-    # attention_bias would also put a bias on o_proj).
-    has = {"qwen2": (True, False), "qwen3": (False, True)}.get(cfg.family, (False, False))
-    if (cfg.qkv_bias, cfg.qk_norm) != has:
+    if (cfg.qkv_bias, cfg.qk_norm) != FAMILY_FEATURES[cfg.family]:
         raise CheckpointError(
             f"model.family={cfg.family} ({arch}) cannot express qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}; "
             "set model.family to qwen2 for q/k/v biases, qwen3 for QK-norm, llama or mistral for neither"
@@ -182,8 +187,8 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             family=family,
-            qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qkv_bias=FAMILY_FEATURES[family][0],
+            qk_norm=FAMILY_FEATURES[family][1],
         )
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         raise CheckpointError(f"{path}: config does not describe a valid model: {e}") from e
@@ -401,9 +406,9 @@ def resolve_config(cfg: LadleConfig) -> LadleConfig:
 def load_hf(path, *, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[Llama, ModelConfig]:
     """Load a Hugging Face folder of a supported architecture into our Llama on `device` in `dtype`.
 
-    Tensors are read one at a time from memory-mapped safetensors straight into the materialised model,
-    so peak memory is the model plus one tensor. Tied checkpoints that still carry lm_head.weight are
-    accepted (the copy is ignored, as transformers does).
+    Tensors are read one at a time with plain file reads straight into the materialised model, so
+    peak memory is the model plus one tensor (see load_hf_weights). Tied checkpoints that still
+    carry lm_head.weight are accepted (the copy is ignored, as transformers does).
     """
     cfg = read_hf_config(path)
     with torch.device("meta"):
@@ -423,39 +428,62 @@ def load_hf_weights(model: Llama, path) -> None:
     params = model.state_dict()
 
     # Pass 1: headers only, so every problem is reported at once before any copying.
+    headers = {f: _read_header(f) for f in files}
     found, where = {}, {}
-    for f in files:
-        try:
-            with safe_open(f, framework="pt", device="cpu") as sf:
-                for hf_key in sf.keys():
-                    name = from_hf_name(hf_key)
-                    if cfg.tie_embeddings and name == "lm_head.weight":
-                        continue
-                    found[name] = tuple(sf.get_slice(hf_key).get_shape())
-                    where[name] = f
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(
-                f"{f}: cannot read safetensors file ({e}); it is truncated or corrupt: re-export or re-download it"
-            ) from e
+    for f, (_, header) in headers.items():
+        for hf_key, info in header.items():
+            name = from_hf_name(hf_key)
+            if not (cfg.tie_embeddings and name == "lm_head.weight"):
+                found[name] = tuple(info["shape"])
+                where[name] = f
     _check_names_shapes(found, params, str(folder), where)
 
     # Pass 2: read tensor by tensor with plain file reads, straight into the parameter when the
     # dtype matches (else through one temporary tensor, cast by copy_). No mmap, so the file's
     # pages never count as this process's memory: peak RSS is the model plus one tensor.
     with torch.no_grad():
-        for f in files:
+        for f, (data_start, header) in headers.items():
             try:
                 with open(f, "rb") as fh:
-                    (n,) = struct.unpack("<Q", fh.read(8))
-                    header = json.loads(fh.read(n))
                     for hf_key, info in header.items():
                         name = from_hf_name(hf_key)
-                        if hf_key != "__metadata__" and where.get(name) == f:
-                            _read_into(fh, 8 + n, info, params[name])
-            except (OSError, ValueError, KeyError) as e:
+                        if where.get(name) == f:
+                            _read_into(fh, data_start, info, params[name])
+            except (OSError, ValueError) as e:
                 raise CheckpointError(
                     f"{f}: cannot read tensor data ({e}); it is truncated or corrupt: re-export or re-download it"
                 ) from e
+
+
+def _read_header(f: Path) -> tuple[int, dict]:
+    """(offset of the data, {name: {dtype, shape, data_offsets}}) of a safetensors file, checked
+    against the file's size so a truncated or corrupt file is named before anything is read."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise ValueError("shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes in a file of {size}")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            if info.get("dtype") not in _ST_DTYPES:
+                raise CheckpointError(
+                    f"{f}: tensor {name} has dtype {info.get('dtype')!r}, which ladle does not load; "
+                    f"supported: {', '.join(_ST_DTYPES)}"
+                )
+            start, end = info["data_offsets"]
+            nbytes = math.prod(info["shape"]) * _ST_DTYPES[info["dtype"]].itemsize
+            if end - start != nbytes or 8 + n + end > size:
+                raise ValueError(f"tensor {name} lies outside the file or disagrees with its shape")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{f}: cannot read safetensors file ({e}); it is truncated or corrupt: re-export or re-download it"
+        ) from e
+    return 8 + n, header
 
 
 _ST_DTYPES = {
@@ -477,11 +505,7 @@ def _read_into(fh, data_start: int, info: dict, dst: torch.Tensor) -> None:
     dtype = _ST_DTYPES[info["dtype"]]
     start, end = info["data_offsets"]
     direct = dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous()
-    target = dst if direct else torch.empty(info["shape"], dtype=dtype)
-    if target.numel() * target.element_size() != end - start:
-        raise ValueError(
-            f"entry size {end - start} bytes does not match shape {info['shape']} {info['dtype']}"
-        )
+    target = dst if direct else torch.empty(info["shape"], dtype=dtype)  # sizes checked by _read_header
     fh.seek(data_start + start)
     view = memoryview(target.view(-1).view(torch.uint8).numpy())
     if fh.readinto(view) != end - start:
