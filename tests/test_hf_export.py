@@ -161,7 +161,7 @@ def test_load_errors(saved, tmp_path):
     save_file(bad, weights)
     with pytest.raises(
         CheckpointError,
-        match=r"mis-shaped tensors: layers\.0\.self_attn\.k_proj\.weight \[3, 32\] in model\.safetensors \(config expects \[16, 32\]\)",
+        match=r"mis-shaped tensors: model\.layers\.0\.self_attn\.k_proj\.weight \[3, 32\] in model\.safetensors \(config expects \[16, 32\]\)",
     ):
         load_hf(out)
 
@@ -170,7 +170,7 @@ def test_load_errors(saved, tmp_path):
     save_file(bad, weights)
     with pytest.raises(
         CheckpointError,
-        match=r"missing tensors: norm\.weight; unexpected tensors: extra\.weight in model\.safetensors",
+        match=r"missing tensors: model\.norm\.weight; unexpected tensors: model\.extra\.weight in model\.safetensors",
     ):
         load_hf(out)
 

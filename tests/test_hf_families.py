@@ -1,4 +1,4 @@
-"""Each dense Hugging Face family in and out: a random tiny checkpoint written by transformers
+"""Each Hugging Face family (dense and MoE) in and out: a random tiny checkpoint written by transformers
 loads into ladle with the same logits and loss, and ladle's export loads back in transformers
 with the same logits. fp32 tolerance: 1e-5 absolute and relative on logits."""
 
@@ -36,8 +36,24 @@ def _hf_model(family: str, tied: bool):
             "use_sliding_window": False,
         },  # head_dim != dim/heads
         "mistral": {"sliding_window": None, "head_dim": 8},
+        "mixtral": {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "qwen3_moe": {
+            "head_dim": 12,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "norm_topk_prob": True,
+            "use_sliding_window": False,
+        },
     }[family]
-    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+    cls = {
+        "llama": "Llama",
+        "qwen2": "Qwen2",
+        "qwen3": "Qwen3",
+        "mistral": "Mistral",
+        "mixtral": "Mixtral",
+        "qwen3_moe": "Qwen3Moe",
+    }[family]
     config = getattr(tf, f"{cls}Config")(**COMMON, **extra, tie_word_embeddings=tied, rope_theta=10000.0)
     torch.manual_seed(0)
     model = getattr(tf, f"{cls}ForCausalLM")(config).eval()
@@ -46,6 +62,8 @@ def _hf_model(family: str, tied: bool):
             if "norm" in name:
                 p.normal_(1.0, 0.3)
             elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("gate.weight"):  # the MoE router (Qwen3-MoE's starts at zero)
                 p.normal_(0.0, 0.5)
     return model
 
@@ -61,7 +79,16 @@ def _logits(hf_folder_or_model):
 
 
 @pytest.mark.parametrize(
-    "family,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False), ("mistral", False)]
+    "family,tied",
+    [
+        ("llama", False),
+        ("llama", True),
+        ("qwen2", True),
+        ("qwen3", False),
+        ("mistral", False),
+        ("mixtral", False),
+        ("qwen3_moe", True),
+    ],
 )
 def test_family_round_trip_with_transformers(tmp_path, family, tied):
     from ladle.train.loss import cross_entropy_sum
@@ -71,7 +98,9 @@ def test_family_round_trip_with_transformers(tmp_path, family, tied):
     ref_logits, ref_loss = _logits(hf)
 
     model, cfg = load_hf(tmp_path / "hf")
-    assert cfg.family == family and cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    assert cfg.family == family and cfg.qkv_bias == (family == "qwen2")
+    assert cfg.qk_norm == (family in ("qwen3", "qwen3_moe"))
+    assert (cfg.moe is not None) == (family in ("mixtral", "qwen3_moe"))
     assert cfg.tie_embeddings == tied
     with torch.no_grad():
         ours = model(TOKENS)
@@ -85,6 +114,21 @@ def test_family_round_trip_with_transformers(tmp_path, family, tied):
     back_logits, _ = _logits(out)
     torch.testing.assert_close(back_logits, ref_logits, atol=1e-5, rtol=1e-5)
     assert model_config_from_hf(exported, "config.json") == cfg
+
+
+MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+}
 
 
 @pytest.mark.parametrize(
@@ -104,6 +148,13 @@ def test_family_round_trip_with_transformers(tmp_path, family, tied):
             "attention_bias",
         ),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+        (
+            {**MIXTRAL, "router_jitter_noise": 0.01},
+            r"router_jitter_noise 0.01 is not supported; supported: 0.0",
+        ),
+        ({**QWEN3_MOE, "mlp_only_layers": [1]}, r"dense layers between MoE layers \(mlp_only_layers=\[1\]"),
+        ({**QWEN3_MOE, "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+        ({**QWEN3_MOE, "num_experts": None}, "needs the number of experts"),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(change, message):
@@ -128,7 +179,7 @@ def test_export_refuses_a_family_that_cannot_express_the_model():
         hf_config(cfg)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"])
 def test_family_greedy_generation_matches_transformers(tmp_path, family):
     from ladle.generation import generate
 
@@ -150,3 +201,50 @@ def test_family_greedy_generation_matches_transformers(tmp_path, family):
             eos_token_id=None,
         )
     assert out[:, P:].tolist() == ours
+
+
+def test_mixtral_export_refuses_unnormalised_router_weights():
+    from ladle.config.schema import ModelConfig, MoEConfig
+    from ladle.models.hf import hf_config
+
+    moe = MoEConfig(n_experts=4, top_k=2, ffn_dim=16, norm_topk_prob=False)
+    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=1, n_heads=4, family="mixtral", moe=moe)
+    with pytest.raises(CheckpointError, match="mixtral always renormalises the top-k router weights"):
+        hf_config(cfg)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_sharded_moe_checkpoints_load_and_export_sharded(tmp_path, family):
+    # transformers writes a sharded folder (index + several files, experts spread over them);
+    # ladle loads it, and its own sharded export loads back in transformers.
+    hf = _hf_model(family, tied=False)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    ref_logits, _ = _logits(hf)
+    model, cfg = load_hf(tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), ref_logits, atol=1e-5, rtol=1e-5)
+
+    out = save_hf(model.state_dict(), cfg, tmp_path / "export", max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    expert_keys = [k for k in index["weight_map"] if ".experts." in k]
+    assert len(expert_keys) == 2 * 3 * cfg.moe.n_experts  # one tensor per expert and projection
+    assert len(set(index["weight_map"].values())) > 2
+    back_logits, _ = _logits(out)
+    torch.testing.assert_close(back_logits, ref_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_model("mixtral", tied=False)
+    hf.save_pretrained(tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    sd = load_file(f)
+    del sd["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointError, match=r"missing tensors: model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight"
+    ):
+        load_hf(tmp_path / "hf")

@@ -23,7 +23,12 @@ PUBLISHED = {
     "qwen3-8b": 8.191,
     "qwen3-32b": 32.762,
     "mistral-7b": 7.248,
+    "mixtral-8x7b": 46.703,
+    "qwen3-30b-a3b": 30.532,
 }
+# Active parameters per token of the MoE models (billions, to one decimal as their model cards
+# give them; Qwen's 3.3 is 3.35 cut off, not rounded).
+PUBLISHED_ACTIVE = {"mixtral-8x7b": 12.9, "qwen3-30b-a3b": 3.3}
 
 
 def _cfg(preset, **model):
@@ -48,11 +53,20 @@ def test_preset_counts_match_transformers_and_the_published_size(name):
     theirs = sum(p.numel() for p in hf.parameters())  # tied weights are counted once
     assert count_params(cfg) == theirs
     assert theirs / 1e9 == pytest.approx(PUBLISHED[name], abs=0.0015)
+    if cfg.moe:  # a token uses top_k of the n_experts experts, and every other weight
+        share = cfg.moe.top_k / cfg.moe.n_experts
+        active = sum(p.numel() * (share if ".experts." in n else 1) for n, p in hf.named_parameters())
+        assert count_params(cfg, active=True) == active
+        assert active / 1e9 == pytest.approx(PUBLISHED_ACTIVE[name], abs=0.06)
+    else:
+        assert count_params(cfg, active=True) == theirs
 
 
 def test_preset_keys_set_beside_it_win_and_unknown_names_are_refused():
     cfg = _cfg("qwen3-8b", max_seq_len=4096)
     assert cfg.model.max_seq_len == 4096 and cfg.model.dim == 4096 and cfg.model.qk_norm
+    moe = _cfg("qwen3-30b-a3b", moe={"z_loss_weight": 0.001}).model.moe  # merged key by key
+    assert (moe.z_loss_weight, moe.n_experts, moe.top_k, moe.aux_loss_weight) == (0.001, 128, 8, 0.001)
     with pytest.raises(
         ConfigError, match=r"unknown model 'qwen3-9b' \(did you mean 'qwen3-8b'\?\); bundled: llama"
     ):

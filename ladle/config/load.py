@@ -149,7 +149,14 @@ def apply_preset(data: dict) -> None:
             + (f" (did you mean {hint[0]!r}?)" if hint else "")
             + f"; bundled: {', '.join(model_presets())}"
         )
-    data["model"] = {**read_yaml(f), **model}
+    preset = read_yaml(f)
+    for key, value in model.items():  # nested sections (moe) merge key by key
+        preset[key] = (
+            {**preset[key], **value}
+            if isinstance(preset.get(key), dict) and isinstance(value, dict)
+            else value
+        )
+    data["model"] = preset
 
 
 def build_config(data: dict, overrides: list[str] = (), source: str = "") -> LadleConfig:

@@ -32,22 +32,53 @@ class RopeScaling(Section):
         return self
 
 
+class MoEConfig(Section):
+    """Mixture of experts in every layer's MLP (Mixtral, Qwen3-MoE): a softmax router picks
+    `top_k` of `n_experts` SwiGLU experts per token, with no token dropped (see ladle/models/moe.py)."""
+
+    n_experts: int | None = Field(None, ge=2, description="required unless model.init_from gives it")
+    top_k: int = Field(2, ge=1)
+    ffn_dim: int | None = Field(
+        None,
+        ge=1,
+        description="hidden size of each expert's SwiGLU; required unless model.init_from gives it",
+    )
+    norm_topk_prob: bool = Field(
+        True, description="renormalise the top-k router probabilities to sum to 1 (Mixtral: always)"
+    )
+    aux_loss_weight: float = Field(
+        0.001, ge=0, description="load-balancing loss weight (HF router_aux_loss_coef); 0 disables"
+    )
+    z_loss_weight: float = Field(0.0, ge=0, description="router z-loss weight (ST-MoE uses 1e-3); 0 disables")
+    dispatch: Literal["auto", "grouped_mm", "loop"] = Field(
+        "auto",
+        description="expert matmuls: one grouped matmul, a loop over experts, or auto (grouped where it runs)",
+    )
+
+    @model_validator(mode="after")
+    def _check_top_k(self):
+        if self.n_experts is not None and self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed n_experts ({self.n_experts})")
+        return self
+
+
 class ModelConfig(Section):
-    """A dense decoder of the Llama family (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`,
-    Mistral without a sliding window). `family` names the Hugging Face architecture it exports as."""
+    """A decoder of the Llama family (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`,
+    Mistral without a sliding window), dense or with a `moe` section (Mixtral, Qwen3-MoE).
+    `family` names the Hugging Face architecture it exports as."""
 
     preset: str | None = Field(
         None,
         description="a bundled model definition (e.g. llama-3.1-8b) that fills this section's other keys",
     )
-    family: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] = "llama"
     vocab_size: int = Field(32000, ge=1)
     dim: int = Field(512, ge=1)
     n_layers: int = Field(8, ge=1)
     n_heads: int = Field(8, ge=1)
     n_kv_heads: int | None = Field(None, ge=1, description="None: same as n_heads (no GQA)")
     head_dim: int | None = Field(None, ge=1, description="None: dim // n_heads")
-    ffn_dim: int = Field(1408, ge=1)
+    ffn_dim: int = Field(1408, ge=1, description="hidden size of the dense SwiGLU (unused when moe is set)")
     max_seq_len: int = Field(2048, ge=1)
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = None
@@ -56,6 +87,7 @@ class ModelConfig(Section):
     qkv_bias: bool = False
     qk_norm: bool = False
     init_std: float = Field(0.02, gt=0)
+    moe: MoEConfig | None = Field(None, description="mixture of experts in every layer; None: dense")
     init_from: str | None = Field(
         None,
         description="a Hugging Face model folder to start from: its config.json fills the shape, its weights the model",
@@ -82,6 +114,17 @@ class ModelConfig(Section):
             )
         if self.head_size % 2:
             raise ValueError(f"the head size ({self.head_size}) must be even for RoPE")
+        if self.init_from:  # the checkpoint's config.json gives the family and the experts
+            return self
+        moe_family = self.family in ("mixtral", "qwen3_moe")
+        if self.moe is not None and (self.moe.n_experts is None or self.moe.ffn_dim is None):
+            raise ValueError("model.moe needs n_experts and ffn_dim (or model.init_from, which gives them)")
+        if moe_family and self.moe is None:
+            raise ValueError(f"family {self.family} is a mixture of experts: add a model.moe section")
+        if self.moe is not None and not moe_family:
+            raise ValueError(
+                f"family {self.family} is dense and cannot hold model.moe; use family mixtral or qwen3_moe"
+            )
         return self
 
 

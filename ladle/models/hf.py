@@ -1,9 +1,13 @@
 """Hugging Face checkpoints in and out: config.json <-> ModelConfig, safetensors <-> our state_dict.
 
 Dense families: `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v bias), `Qwen3ForCausalLM` (QK-norm,
-free head_dim) and `MistralForCausalLM` (without a sliding window). They share module names, so
-the name map is a prefix (our modules mirror HF's `LlamaModel`): `model.` + our key, except the
-head `lm_head.weight`, which is absent when embeddings are tied.
+free head_dim) and `MistralForCausalLM` (without a sliding window); mixtures of experts:
+`MixtralForCausalLM` and `Qwen3MoeForCausalLM` (QK-norm). They share module names, so the name
+map is a prefix (our modules mirror HF's `LlamaModel`): `model.` + our key, except the head
+`lm_head.weight`, which is absent when embeddings are tied, and the experts: HF checkpoints hold
+one tensor per expert (`model.layers.0.block_sparse_moe.experts.3.w1.weight` in Mixtral,
+`model.layers.0.mlp.experts.3.gate_proj.weight` in Qwen3-MoE), ladle one stacked parameter per
+kind (`layers.0.mlp.experts.gate_proj`, expert 3 its slice [3]). `hf_layout` is that map.
 No transformers import here: the folder format is plain JSON + safetensors.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -33,6 +38,8 @@ FAMILY_FEATURES = {
     "qwen2": (True, False),
     "qwen3": (False, True),
     "mistral": (False, False),
+    "mixtral": (False, False),
+    "qwen3_moe": (False, True),
 }
 # family -> (architecture, model_type)
 FAMILIES = {
@@ -40,6 +47,14 @@ FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "mistral": ("MistralForCausalLM", "mistral"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+# MoE families: the HF module holding router and experts, and its per-expert names for our
+# (gate_proj, up_proj, down_proj).
+MOE_NAMES = {
+    "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+    "qwen3_moe": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
 }
 SUPPORTED_ARCHITECTURES = tuple(arch for arch, _ in FAMILIES.values())
 FAMILY_OF = {arch: fam for fam, (arch, _) in FAMILIES.items()} | {
@@ -70,8 +85,28 @@ def to_hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def from_hf_name(name: str) -> str:
-    return name.removeprefix("model.")
+_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.(gate\.weight|experts\.(gate_proj|up_proj|down_proj))")
+
+
+def hf_layout(cfg: ModelConfig) -> dict[str, tuple[str, int | None, tuple]]:
+    """Every tensor of the family's HF checkpoint, in our module order: HF key -> (our state_dict
+    key, expert index or None for the whole tensor, shape)."""
+    with torch.device("meta"):
+        ours = Llama(cfg).state_dict()
+    layout = {}
+    for name, t in ours.items():
+        m = _EXPERTS.fullmatch(name) if cfg.moe else None
+        if m is None:
+            layout[to_hf_name(name)] = (name, None, tuple(t.shape))
+            continue
+        block, names = MOE_NAMES[cfg.family]
+        prefix = f"model.layers.{m[1]}.{block}"
+        if m[3] is None:  # the router
+            layout[f"{prefix}.gate.weight"] = (name, None, tuple(t.shape))
+        else:
+            for e in range(t.shape[0]):
+                layout[f"{prefix}.experts.{e}.{names[m[3]]}.weight"] = (name, e, tuple(t.shape[1:]))
+    return layout
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -122,10 +157,35 @@ def hf_config(
         d["attention_bias"] = False
     if cfg.family == "llama":
         d.update(mlp_bias=False, pretraining_tp=1)
-    if cfg.family in ("qwen2", "qwen3"):
+    if cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
         d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
-    if cfg.family == "mistral":
+    if cfg.family in ("mistral", "mixtral"):
         d["sliding_window"] = None
+    m = cfg.moe
+    if cfg.family == "mixtral":
+        if not m.norm_topk_prob:
+            raise CheckpointError(
+                "model.family=mixtral always renormalises the top-k router weights; set "
+                "model.moe.norm_topk_prob: true, or model.family: qwen3_moe"
+            )
+        d.update(
+            num_local_experts=m.n_experts,
+            intermediate_size=m.ffn_dim,
+            router_jitter_noise=0.0,
+        )
+    if cfg.family == "qwen3_moe":
+        d.update(
+            attention_bias=False,
+            num_experts=m.n_experts,
+            moe_intermediate_size=m.ffn_dim,
+            norm_topk_prob=m.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if m is not None:
+        d.update(
+            num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_weight, output_router_logits=False
+        )
     return d
 
 
@@ -176,6 +236,8 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
         )
 
     fields = {ours: d[hf] for ours, hf in CONFIG_MAP.items() if hf in d}
+    if family in MOE_NAMES:
+        fields["moe"] = _moe_from_hf(d, family, path)
     n_heads, dim = d["num_attention_heads"], d["hidden_size"]
     kv = d.get("num_key_value_heads") or n_heads
     head_dim = d.get("head_dim") or dim // n_heads
@@ -192,6 +254,37 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
         )
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         raise CheckpointError(f"{path}: config does not describe a valid model: {e}") from e
+
+
+def _moe_from_hf(d: dict, family: str, path) -> dict:
+    """The moe section of a Mixtral or Qwen3-MoE config.json; options ladle's MoE does not compute
+    (router jitter, dense layers between sparse ones) are refused."""
+    if family == "mixtral":
+        if d.get("router_jitter_noise", 0.0):
+            raise CheckpointError(
+                f"{path}: router_jitter_noise {d['router_jitter_noise']} is not supported; supported: 0.0"
+            )
+        n, ffn, norm = d.get("num_local_experts"), d.get("intermediate_size"), True
+    else:
+        if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+            raise CheckpointError(
+                f"{path}: dense layers between MoE layers (mlp_only_layers={d.get('mlp_only_layers')}, "
+                f"decoder_sparse_step={d.get('decoder_sparse_step')}) are not supported; "
+                "supported: every layer sparse (mlp_only_layers [], decoder_sparse_step 1)"
+            )
+        n = d.get("num_experts", d.get("num_local_experts"))
+        ffn, norm = d.get("moe_intermediate_size"), bool(d.get("norm_topk_prob", False))
+    if n is None or ffn is None or "num_experts_per_tok" not in d:
+        raise CheckpointError(
+            f"{path}: an MoE config needs the number of experts, their size and num_experts_per_tok"
+        )
+    return {
+        "n_experts": n,
+        "top_k": d["num_experts_per_tok"],
+        "ffn_dim": ffn,
+        "norm_topk_prob": norm,
+        "aux_loss_weight": d.get("router_aux_loss_coef", 0.001),
+    }
 
 
 # --- save ------------------------------------------------------------------------------------------
@@ -241,10 +334,12 @@ def save_hf(
 
     # Check names and shapes against the model the config describes before writing anything.
     with torch.device("meta"):
-        expected = Llama(cfg).state_dict()
+        expected = {k: tuple(t.shape) for k, t in Llama(cfg).state_dict().items()}
     sd = {k: v for k, v in state_dict.items() if not (cfg.tie_embeddings and k == "lm_head.weight")}
     _check_names_shapes({k: tuple(v.shape) for k, v in sd.items()}, expected, "state_dict")
-    tensors = {to_hf_name(k): sd[k] for k in expected}  # our module order
+    tensors = {  # HF names, our module order; experts one tensor each
+        hf: sd[ours] if e is None else sd[ours][e] for hf, (ours, e, _) in hf_layout(cfg).items()
+    }
 
     out_dtype = dtype or next(iter(tensors.values())).dtype
     config = hf_config(
@@ -296,10 +391,10 @@ def save_hf(
 
 
 def _check_names_shapes(
-    found: dict[str, tuple], expected: dict[str, torch.Tensor], source: str, files: dict | None = None
+    found: dict[str, tuple], expected: dict[str, tuple], source: str, files: dict | None = None
 ) -> None:
-    """CheckpointError listing missing, unexpected and mis-shaped tensors (our names) in `source`;
-    `files` (name -> path) adds the file each unexpected or mis-shaped tensor came from."""
+    """CheckpointError listing missing, unexpected and mis-shaped tensors in `source` (name ->
+    shape); `files` (name -> path) adds the file each unexpected or mis-shaped tensor came from."""
 
     def at(k):
         return f" in {Path(files[k]).name}" if files else ""
@@ -307,9 +402,9 @@ def _check_names_shapes(
     missing = [k for k in expected if k not in found]
     unexpected = [k + at(k) for k in found if k not in expected]
     misshaped = [
-        f"{k} {list(found[k])}{at(k)} (config expects {list(expected[k].shape)})"
+        f"{k} {list(found[k])}{at(k)} (config expects {list(expected[k])})"
         for k in found
-        if k in expected and tuple(found[k]) != tuple(expected[k].shape)
+        if k in expected and tuple(found[k]) != tuple(expected[k])
     ]
 
     def fmt(names):
@@ -352,6 +447,7 @@ def _weight_files(folder: Path) -> list[Path]:
 
 # Fields a run may set differently from the checkpoint it starts from.
 FREE_WITH_INIT_FROM = ("init_from", "init_std", "max_seq_len")
+MOE_FREE_WITH_INIT_FROM = ("aux_loss_weight", "z_loss_weight", "dispatch")
 
 
 def read_hf_config(path) -> ModelConfig:
@@ -380,15 +476,27 @@ def resolve_init_from(cfg: ModelConfig) -> ModelConfig:
     conflicts = [
         f"model.{f}={getattr(cfg, f)!r} (config.json: {getattr(hf, f)!r})"
         for f in sorted(cfg.model_fields_set)
-        if f not in FREE_WITH_INIT_FROM and getattr(cfg, f) != getattr(hf, f)
+        if f not in (*FREE_WITH_INIT_FROM, "moe") and getattr(cfg, f) != getattr(hf, f)
     ]
+    moe = hf.moe
+    if cfg.moe is not None and hf.moe is not None:  # the experts' shape is the checkpoint's,
+        conflicts += [  # the training options (loss weights, dispatch) are the run's
+            f"model.moe.{f}={getattr(cfg.moe, f)!r} (config.json: {getattr(hf.moe, f)!r})"
+            for f in sorted(cfg.moe.model_fields_set)
+            if f not in MOE_FREE_WITH_INIT_FROM and getattr(cfg.moe, f) != getattr(hf.moe, f)
+        ]
+        moe = hf.moe.model_copy(
+            update={f: getattr(cfg.moe, f) for f in MOE_FREE_WITH_INIT_FROM if f in cfg.moe.model_fields_set}
+        )
+    elif "moe" in cfg.model_fields_set and (cfg.moe is None) != (hf.moe is None):
+        conflicts.append(f"model.moe={cfg.moe!r} (config.json: {hf.moe!r})")
     if conflicts:
         raise ConfigError(
             f"model.init_from={cfg.init_from} disagrees with the config: {', '.join(conflicts)}; "
             "remove those keys from the model section (the checkpoint defines the shape) or fix them"
         )
     keep = {f: getattr(cfg, f) for f in FREE_WITH_INIT_FROM if f in cfg.model_fields_set}
-    return ModelConfig(**{**hf.model_dump(), **keep})
+    return ModelConfig(**{**hf.model_dump(), **keep, "moe": moe})
 
 
 def resolve_config(cfg: LadleConfig) -> LadleConfig:
@@ -426,17 +534,17 @@ def load_hf_weights(model: Llama, path) -> None:
     folder, cfg = Path(path), model.cfg
     files = _weight_files(folder)
     params = model.state_dict()
+    layout = hf_layout(cfg)
 
-    # Pass 1: headers only, so every problem is reported at once before any copying.
+    # Pass 1: headers only, so every problem is reported at once (by HF name) before any copying.
     headers = {f: _read_header(f) for f in files}
     found, where = {}, {}
     for f, (_, header) in headers.items():
         for hf_key, info in header.items():
-            name = from_hf_name(hf_key)
-            if not (cfg.tie_embeddings and name == "lm_head.weight"):
-                found[name] = tuple(info["shape"])
-                where[name] = f
-    _check_names_shapes(found, params, str(folder), where)
+            if not (cfg.tie_embeddings and hf_key == "lm_head.weight"):
+                found[hf_key] = tuple(info["shape"])
+                where[hf_key] = f
+    _check_names_shapes(found, {k: shape for k, (_, _, shape) in layout.items()}, str(folder), where)
 
     # Pass 2: read tensor by tensor with plain file reads, straight into the parameter when the
     # dtype matches (else through one temporary tensor, cast by copy_). No mmap, so the file's
@@ -446,9 +554,9 @@ def load_hf_weights(model: Llama, path) -> None:
             try:
                 with open(f, "rb") as fh:
                     for hf_key, info in header.items():
-                        name = from_hf_name(hf_key)
-                        if where.get(name) == f:
-                            _read_into(fh, data_start, info, params[name])
+                        if where.get(hf_key) == f and hf_key in layout:
+                            ours, e, _ = layout[hf_key]
+                            _read_into(fh, data_start, info, params[ours] if e is None else params[ours][e])
             except (OSError, ValueError) as e:
                 raise CheckpointError(
                     f"{f}: cannot read tensor data ({e}); it is truncated or corrupt: re-export or re-download it"

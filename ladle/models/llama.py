@@ -1,4 +1,5 @@
-"""A dense Llama-family decoder (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`) in plain PyTorch.
+"""A Llama-family decoder (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`; with `moe`, Mixtral
+and Qwen3-MoE, see ladle/models/moe.py) in plain PyTorch.
 
 Module names mirror Hugging Face's `LlamaModel`, so our state_dict keys are HF's without the `model.`
 prefix (see `ladle.models.hf`). RoPE uses HF's rotate_half layout, so HF checkpoints load unpermuted.
@@ -10,6 +11,8 @@ Conventions a caller must know:
   `init_buffers()` (called by `init_weights()` and `build_model`). Call it again after `model.to(bf16)`,
   which would otherwise round the frequencies to bf16.
 - Logits come out in the compute dtype (fp32 params -> fp32; bf16 params or autocast -> bf16).
+- MoE models leave each forward's router statistics in `model.router_stats` (one tuple per layer:
+  load-balancing loss, z-loss, tokens per expert); the training loop adds the weighted losses.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ladle.config.schema import ModelConfig
+from ladle.models.moe import MoE, init_moe
 
 
 class RMSNorm(nn.Module):
@@ -163,11 +167,14 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.moe else MLP(cfg)
 
     def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
+        """-> (x, router statistics or None for a dense MLP)."""
         x = x + self.self_attn(to_compute_dtype(self.input_layernorm(x)), cos, sin, mask, cache, layer)
-        return x + self.mlp(to_compute_dtype(self.post_attention_layernorm(x)))
+        y = self.mlp(to_compute_dtype(self.post_attention_layernorm(x)))
+        y, router = y if isinstance(y, tuple) else (y, None)
+        return x + y, router
 
 
 class PackedMask:
@@ -258,6 +265,7 @@ class Llama(nn.Module):
         if not cfg.tie_embeddings:  # tied: the head reuses embed_tokens.weight, no separate key
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(cfg)
+        self.router_stats: list[tuple[torch.Tensor, ...]] = []
         self.init_weights()  # free on the meta device; build_model initialises again after to_empty
 
     def forward(self, tokens, positions=None, doc_ids=None, cache: KVCache | None = None):
@@ -288,8 +296,12 @@ class Llama(nn.Module):
 
         x = self.embed_tokens(tokens)  # (B, T, dim)
         cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, head_dim) each
+        router_stats = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+            x, router = layer(x, cos, sin, mask, cache, i)
+            if router is not None:
+                router_stats.append(router)
+        self.router_stats = router_stats
         if isinstance(mask, PackedMask) and mask.mixed:
             x = x[torch.argsort(mask.order)]  # back to the caller's row order
         x = self.norm(x)
@@ -315,11 +327,13 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_weights(self):
         """normal(0, init_std) weights; o_proj/down_proj std / sqrt(2 * n_layers), since each layer adds
-        two residual branches (GPT-2); norms 1, biases 0."""
+        two residual branches (GPT-2); norms 1, biases 0. Experts and routers alike."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, MoE):
+                init_moe(m, std, out_std)
+            elif isinstance(m, nn.Linear) and not name.endswith("mlp.gate"):
                 nn.init.normal_(m.weight, 0.0, out_std if name.endswith(("o_proj", "down_proj")) else std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
@@ -330,12 +344,13 @@ class Llama(nn.Module):
         self.init_buffers()
 
 
-def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
+def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False, active: bool = False) -> int:
     """Parameter count from the config alone (equals `sum(p.numel() for p in Llama(cfg).parameters())`).
 
     exclude_embeddings=True drops the input embedding table but always counts the output head
     (vocab * dim) once, tied or not: the head is a matmul that costs FLOPs, the lookup is not. This is
-    the N of MFU's 6N FLOPs per token.
+    the N of MFU's 6N FLOPs per token, with active=True for MoE: only the top_k experts a token
+    uses (plus the router) count.
     """
     D, V, F_, L = cfg.dim, cfg.vocab_size, cfg.ffn_dim, cfg.n_layers
     H, K, hd = cfg.n_heads, cfg.kv_heads, cfg.head_size
@@ -344,7 +359,12 @@ def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
         attn += H * hd + 2 * K * hd
     if cfg.qk_norm:
         attn += 2 * hd
-    layer = attn + 3 * D * F_ + 2 * D  # + SwiGLU + two norms
+    if cfg.moe:
+        m = cfg.moe
+        mlp = D * m.n_experts + (m.top_k if active else m.n_experts) * 3 * D * m.ffn_dim  # router + experts
+    else:
+        mlp = 3 * D * F_  # SwiGLU
+    layer = attn + mlp + 2 * D  # + two norms
     embed, head = V * D, V * D
     body = L * layer + D  # + final norm
     if exclude_embeddings:

@@ -1,0 +1,178 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a top-k softmax router and dropless SwiGLU experts.
+
+Every token goes to its `top_k` experts, none is dropped: tokens are sorted by expert so that each
+expert's rows are contiguous, then all experts run as one grouped matmul (`F.grouped_mm`) where
+PyTorch has a kernel for it, or as a loop over experts otherwise; both give the same numbers.
+
+Expert weights are stored stacked, in nn.Linear's (out, in) layout per expert:
+`experts.gate_proj` and `experts.up_proj` (E, ffn, dim), `experts.down_proj` (E, dim, ffn). One
+parameter per kind keeps every expert's gradient defined even when it got no tokens (data-parallel
+wrappers need that), and lets a loader fill expert e's slice from Hugging Face's per-expert tensors.
+
+`MoE.forward` returns the output and the router's statistics for the step: the load-balancing
+loss, the z-loss and the tokens each expert received; the model collects them per layer and the
+training loop adds the weighted losses (see `router_losses`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ladle import distributed as dist
+from ladle.config.schema import ModelConfig, MoEConfig
+
+# Rows per expert are padded to this multiple for CUDA's grouped GEMM: its weight gradient
+# contracts over each group's rows, which need 16-byte alignment (8 bf16 rows; 16 covers fp8).
+CUDA_GROUP_ALIGN = 16
+
+
+class Experts(nn.Module):
+    def __init__(self, n_experts: int, dim: int, ffn_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """x (rows, dim) sorted by expert, `counts` (E,) rows per expert -> (rows, dim)."""
+        # Weights are cast like autocast would cast a Linear's (grouped_mm is not on its op list).
+        wg, wu, wd = (w.to(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        if grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            h = F.silu(grouped_mm(x, wg.transpose(-2, -1), offs)) * grouped_mm(x, wu.transpose(-2, -1), offs)
+            return grouped_mm(h, wd.transpose(-2, -1), offs)
+        out = []
+        for e, xe in enumerate(x.split(counts.tolist())):
+            out.append(F.linear(F.silu(F.linear(xe, wg[e])) * F.linear(xe, wu[e]), wd[e]))
+        return torch.cat(out)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10
+    return fn(a, b, offs=offs)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m: MoEConfig = cfg.moe
+        self.n_experts, self.top_k, self.norm_topk_prob = m.n_experts, m.top_k, m.norm_topk_prob
+        self.dispatch = m.dispatch
+        self.gate = nn.Linear(cfg.dim, m.n_experts, bias=False)  # the router
+        self.experts = Experts(m.n_experts, cfg.dim, m.ffn_dim)
+
+    # Eager under train.compile, like attention: the routing is data-dependent (counts per expert),
+    # which would break the graph and recompile as the counts change.
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """x (B, T, dim) -> (y (B, T, dim), (aux_loss, z_loss, tokens_per_expert (E,)))."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, dim)
+        N, E, k = x.shape[0], self.n_experts, self.top_k
+        logits = self.gate(x)  # (N, E)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, k, dim=-1)  # (N, k) each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+
+        # Dropless dispatch: the N*k (token, expert) pairs sorted by expert.
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E)  # (E,)
+        token = order // k  # the token of each sorted pair
+        grouped = self._grouped(x)
+        align = group_align(x.device, grouped)
+        rows, padded = pad_groups(token, counts, align, pad_index=N)
+        xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[rows] if align > 1 else x[rows]
+        ys = self.experts(xs, padded, grouped)
+        if align > 1:
+            ys = ys[rows != N]  # drop the padding rows again (they follow `order`)
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        y = torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+
+        # Load-balancing loss as transformers' load_balancing_loss_func for one layer: E times the
+        # dot product of each expert's share of the top-k picks (summing to k) and its mean router
+        # probability; k when perfectly balanced. z-loss (ST-MoE): mean squared log-partition.
+        share = counts.to(torch.float32) / N
+        aux = E * torch.dot(share, probs.mean(dim=0))
+        z = torch.logsumexp(logits.float(), dim=-1).square().mean()
+        return y.reshape(shape), (aux, z, counts.detach())
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if self.dispatch != "auto":
+            return self.dispatch == "grouped_mm"
+        return grouped_mm_supported(x.device, x.dtype, self.experts.gate_proj.shape[1:])
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, shape: tuple[int, int]) -> bool:
+    """Where `auto` dispatch uses the grouped matmul: on CPU (torch >= 2.9) when the rows are
+    16-byte aligned, and on CUDA for bf16 on compute capability 9.0+ (Hopper), where the kernel is
+    meant for. Elsewhere the loop over experts (same numbers)."""
+    if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+        return False
+    if any((n * dtype.itemsize) % 16 for n in shape):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return False
+
+
+def group_align(device: torch.device, grouped: bool) -> int:
+    return CUDA_GROUP_ALIGN if grouped and device.type == "cuda" else 1
+
+
+def pad_groups(
+    token: torch.Tensor, counts: torch.Tensor, align: int, pad_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices with each expert's group padded to a multiple of `align` (padding rows read
+    `pad_index`, a zero row), and the padded counts. align=1 returns the inputs unchanged."""
+    if align == 1:
+        return token, counts
+    padded = (counts + align - 1) // align * align
+    starts = padded.cumsum(0) - padded  # where each padded group begins
+    # Position of each sorted pair inside its group, then in the padded layout.
+    group = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    within = torch.arange(len(token), device=token.device) - (counts.cumsum(0) - counts)[group]
+    rows = torch.full((int(padded.sum()),), pad_index, dtype=token.dtype, device=token.device)
+    rows[starts[group] + within] = token
+    return rows, padded
+
+
+def router_losses(stats: list[tuple[torch.Tensor, ...]], cfg: MoEConfig) -> torch.Tensor:
+    """The weighted router losses of one forward pass, averaged over the MoE layers."""
+    aux = torch.stack([s[0] for s in stats]).mean()
+    z = torch.stack([s[1] for s in stats]).mean()
+    return cfg.aux_loss_weight * aux + cfg.z_loss_weight * z
+
+
+def expert_load_metrics(router: list[list[torch.Tensor]]) -> dict:
+    """metrics.jsonl fields of one optimizer step from each microbatch's [aux (L,), z (L,),
+    tokens per expert (L, E)], summed over ranks (every rank calls this at the same steps).
+
+    moe_tokens_min / _max: the fewest and most (token, expert) assignments any expert of any layer
+    got in the step; moe_imbalance: the worst layer's max / mean tokens per expert (1.0 = even);
+    moe_aux_loss / moe_z_loss: unweighted, averaged over layers, microbatches and ranks."""
+    aux = torch.stack([r[0] for r in router]).mean(0)
+    z = torch.stack([r[1] for r in router]).mean(0)
+    counts = torch.stack([r[2] for r in router]).sum(0)  # (L, E)
+    packed = dist.all_reduce_sum(torch.cat([aux.mean()[None], z.mean()[None], counts.flatten()]))
+    world = dist.world_size()
+    counts = packed[2:].view_as(counts)
+    return {
+        "moe_aux_loss": float(packed[0]) / world,
+        "moe_z_loss": float(packed[1]) / world,
+        "moe_tokens_min": int(counts.min()),
+        "moe_tokens_max": int(counts.max()),
+        "moe_imbalance": float((counts.max(1).values / counts.mean(1)).max()),
+    }
+
+
+def init_moe(moe: MoE, std: float, out_std: float) -> None:
+    nn.init.normal_(moe.gate.weight, 0.0, std)
+    nn.init.normal_(moe.experts.gate_proj, 0.0, std)
+    nn.init.normal_(moe.experts.up_proj, 0.0, std)
+    nn.init.normal_(moe.experts.down_proj, 0.0, out_std)
