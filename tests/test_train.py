@@ -400,3 +400,54 @@ def test_init_from_refuses_a_conflicting_shape(tiny_config, tmp_path):
     assert not (tmp_path / "other").exists()
     with pytest.raises(CheckpointError, match="no config.json"):
         run(tiny_config, f"model.init_from={tmp_path}", f"output_dir={tmp_path / 'other'}")
+
+
+TINY_MOE = {"family": "qwen3_moe", "qk_norm": True, "moe": {"n_experts": 4, "top_k": 2, "ffn_dim": 16}}
+
+
+def test_moe_trains_and_records_expert_load(tiny_config, tmp_path):
+    tiny_config["model"] = {**tiny_config["model"], **TINY_MOE}
+    tiny_config["train"]["eval_every"] = 0
+    assert run(tiny_config, "train.max_steps=8") == "completed"
+    recs = [r for r in read_metrics(tiny_config["output_dir"]) if "loss" in r]
+    for r in recs:
+        # 2 microbatches x 2 rows x 32 tokens x top_k 2 = 256 assignments per layer, over 4 experts
+        assert 0 <= r["moe_tokens_min"] <= 256 / 4 <= r["moe_tokens_max"] <= 256
+        assert r["moe_imbalance"] == pytest.approx(r["moe_imbalance"]) and r["moe_imbalance"] >= 1.0
+        assert r["moe_aux_loss"] >= 2.0 - 1e-4  # top_k when perfectly balanced, more otherwise
+        assert r["moe_z_loss"] > 0
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    events = (Path(tiny_config["output_dir"]) / "events.log").read_text()
+    assert "experts a token uses" in events
+
+    # The logged loss is the language-model loss; the router losses only add to the gradient.
+    def first_step(aux, z, name):
+        run(tiny_config, "train.max_steps=1", "scheduler.name=constant", f"model.moe.aux_loss_weight={aux}",
+            f"model.moe.z_loss_weight={z}", f"output_dir={tmp_path / name}")  # fmt: skip
+        return losses(tmp_path / name)[1]
+
+    plain, weighted = first_step(0, 0, "plain"), first_step(10.0, 1.0, "weighted")
+    assert weighted[0] == plain[0] and weighted[1] != plain[1]
+
+
+def test_moe_init_from_keeps_the_runs_loss_weights(tiny_config, tmp_path, capsys):
+    import transformers as tf
+
+    conf = tf.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+        max_position_embeddings=256, router_aux_loss_coef=0.01,
+    )  # fmt: skip
+    tf.Qwen3MoeForCausalLM(conf).save_pretrained(tmp_path / "hf")
+    model = {"init_from": str(tmp_path / "hf"), "max_seq_len": 64, "moe": {"z_loss_weight": 0.1}}
+    cfg = {**tiny_config, "model": model}
+    assert main(["validate", "--config", str(_write_config(cfg, tmp_path / "c.yaml"))]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert shown["family"] == "qwen3_moe"
+    assert shown["moe"] == {
+        "n_experts": 4, "top_k": 2, "ffn_dim": 16, "norm_topk_prob": True,
+        "aux_loss_weight": 0.01, "z_loss_weight": 0.1, "dispatch": "auto",
+    }  # fmt: skip
+    model["moe"]["n_experts"] = 8
+    with pytest.raises(ConfigError, match=r"model.moe.n_experts=8 \(config.json: 4\)"):
+        run({**tiny_config, "model": model})

@@ -41,7 +41,7 @@ def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -
 
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type != "cpu" else None)
     n_params = count_params(cfg.model)
-    n_no_embed = count_params(cfg.model, exclude_embeddings=True)
+    n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     m = cfg.model
     fpt = flops_per_token(n_no_embed, m.n_layers, m.n_heads, m.head_size, cfg.data.seq_len)
 
@@ -53,7 +53,8 @@ def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -
 
     trainer = Trainer(cfg, run, model, loader, flops_per_token=fpt, eval_batches=evaluate)
     run.events(
-        f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding); "
+        f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"
+        f"{', experts a token uses' if cfg.model.moe else ''}); "
         f"{len(train):,} train samples of {cfg.data.seq_len} tokens, {len(val):,} validation samples; "
         f"device {device} ({dev.device_name(device)}), world size {dist.world_size()}"
     )

@@ -23,6 +23,7 @@ from ladle import device as dev
 from ladle import distributed as dist
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_dict, to_yaml
+from ladle.models.moe import expert_load_metrics, router_losses
 from ladle.train.checkpoint import Checkpointer
 from ladle.train.loss import IGNORE_INDEX, cross_entropy_sum
 from ladle.train.metrics import format_line
@@ -165,6 +166,9 @@ class Trainer:
         total = int(dist.all_reduce_sum(torch.tensor([local], device=self.device)).item())
         scale = dist.world_size() / max(total, 1)
         loss_sum = torch.zeros((), device=self.device)
+        moe = self.cfg.model.moe
+        core = getattr(self.model, "module", self.model)  # unwrapped from DDP
+        router = [] if moe else None  # per microbatch: (aux, z, tokens per expert (L, E))
         self.model.train()
         for i, b in enumerate(micro):
             # A data-parallel wrapper all-reduces gradients on the last microbatch only.
@@ -172,7 +176,14 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with self.precision.autocast():
                     loss = self.loss_fn(self.model, b)
-                self.precision.scale(loss * scale).backward()
+                    total_loss = loss * scale
+                    if moe:
+                        # Router losses are means: averaged over microbatches here and over
+                        # ranks by the data-parallel gradient average.
+                        stats = core.router_stats
+                        total_loss = total_loss + router_losses(stats, moe) / len(micro)
+                        router.append([torch.stack([s[j].detach().float() for s in stats]) for j in range(3)])
+                self.precision.scale(total_loss).backward()
             loss_sum += loss.detach()
         loss_val = float(dist.all_reduce_sum(loss_sum).item()) / max(total, 1)
         dev.synchronize(self.device)
@@ -199,6 +210,7 @@ class Trainer:
             "skipped": not stepped,
             "tokens": sum(b["tokens"].numel() for b in micro) * dist.world_size(),
             "t_bwd": t_bwd,
+            "router": router,
         }
 
     def check_finite(self, out: dict) -> None:
@@ -343,6 +355,8 @@ class Trainer:
         }
         if self.precision.loss_scale is not None:
             rec["loss_scale"] = self.precision.loss_scale
+        if out["router"]:
+            rec.update(expert_load_metrics(out["router"]))
         self.run.metrics.write(rec)
         self.last_record = rec
         bar.print(format_line(rec))

@@ -81,6 +81,8 @@ def format_line(r: dict) -> str:
     parts.append(f"data {r['data_s'] * 1000:.0f}ms")
     if r.get("loss_scale") is not None:
         parts.append(f"scale {r['loss_scale']:.0f}")
+    if r.get("moe_imbalance") is not None:
+        parts.append(f"moe imbalance {r['moe_imbalance']:.2f}")
     return " | ".join(parts)
 
 
