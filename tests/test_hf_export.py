@@ -6,6 +6,7 @@ from safetensors.torch import load_file, save_file
 
 from ladle.config.schema import ModelConfig, RopeScaling
 from ladle.errors import CheckpointError
+from ladle.models import hf
 from ladle.models.hf import hf_config, load_hf, model_config_from_hf, save_hf
 from ladle.models.llama import build_model
 
@@ -69,6 +70,8 @@ def test_sharded_save_and_load(tmp_path):
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert not (out / "model.safetensors").exists()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # shards as readable as config.json
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert index["metadata"]["total_size"] == sum(p.numel() * 2 for p in model.parameters())
     loaded, _ = load_hf(out)
@@ -196,8 +199,11 @@ def test_load_errors_sharded(tmp_path):
         load_hf(out)
 
 
-def test_load_converts_dtype_on_the_way_in(tmp_path):
-    # bf16 files into an fp32 model (through a temporary) and into a bf16 model (read in place).
+@pytest.mark.parametrize("chunk", [hf.READ_CHUNK, 99])
+def test_load_converts_dtype_on_the_way_in(tmp_path, monkeypatch, chunk):
+    # bf16 files into an fp32 model (through a temporary) and into a bf16 model (read in place,
+    # also in odd-sized chunks across element boundaries, as a large tensor is read by threads).
+    monkeypatch.setattr(hf, "READ_CHUNK", chunk)
     torch.manual_seed(0)
     cfg = tiny(n_kv_heads=2)
     model = build_model(cfg)
@@ -217,4 +223,21 @@ def test_load_names_an_unsupported_tensor_dtype(saved):
     with pytest.raises(
         CheckpointError, match=r"tensor model\.norm\.weight has dtype 'F8_E4M3'.*supported: F64"
     ):
+        load_hf(out)
+
+
+def test_load_names_a_file_that_shrinks_while_read(saved, monkeypatch):
+    # The headers are checked against the file sizes first; a file cut short after that (another
+    # process rewriting it) is still named rather than leaving weights half-filled unnoticed.
+    _, _, out = saved
+    read_header = hf._read_header
+
+    def then_truncate(f):
+        header = read_header(f)
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size - 100)
+        return header
+
+    monkeypatch.setattr(hf, "_read_header", then_truncate)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: the file ends inside a tensor"):
         load_hf(out)

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -353,6 +354,7 @@ def save_hf(
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    file_mode = tmp.stat().st_mode & 0o666  # what the umask gives a new file
     try:
         shards = _shards(tensors, max_shard_bytes, dtype)
         weight_map, total = {}, 0
@@ -361,6 +363,7 @@ def save_hf(
             # Convert one shard at a time so peak CPU memory is about one shard, not the whole model.
             part = {n: tensors[n].detach().to("cpu", dtype or tensors[n].dtype).contiguous() for n in names}
             save_file(part, tmp / fname, metadata={"format": "pt"})
+            os.chmod(tmp / fname, file_mode)  # safetensors creates 0600; share like the other files
             total += sum(t.numel() * t.element_size() for t in part.values())
             weight_map.update(dict.fromkeys(names, fname))
         if len(shards) > 1:
@@ -546,21 +549,30 @@ def load_hf_weights(model: Llama, path) -> None:
                 where[hf_key] = f
     _check_names_shapes(found, {k: shape for k, (_, _, shape) in layout.items()}, str(folder), where)
 
-    # Pass 2: read tensor by tensor with plain file reads, straight into the parameter when the
-    # dtype matches (else through one temporary tensor, cast by copy_). No mmap, so the file's
-    # pages never count as this process's memory: peak RSS is the model plus one tensor.
-    with torch.no_grad():
+    # Pass 2: plain positional reads (os.preadv) straight into the parameters when the dtype
+    # matches (else through one temporary tensor per tensor, cast by copy_). No mmap, so the
+    # file's pages never count as this process's memory: peak RSS is the model plus a few
+    # tensors. Most of the time is first-touching the freshly allocated parameters, which the
+    # kernel does in parallel, so the reads run on a few threads in chunks of READ_CHUNK bytes.
+    jobs = []
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+    try:
         for f, (data_start, header) in headers.items():
-            try:
-                with open(f, "rb") as fh:
-                    for hf_key, info in header.items():
-                        if where.get(hf_key) == f and hf_key in layout:
-                            ours, e, _ = layout[hf_key]
-                            _read_into(fh, data_start, info, params[ours] if e is None else params[ours][e])
-            except (OSError, ValueError) as e:
-                raise CheckpointError(
-                    f"{f}: cannot read tensor data ({e}); it is truncated or corrupt: re-export or re-download it"
-                ) from e
+            for hf_key, info in header.items():
+                if where.get(hf_key) == f and hf_key in layout:
+                    ours, e, _ = layout[hf_key]
+                    dst = params[ours] if e is None else params[ours][e]
+                    jobs += _read_jobs(fds[f], f, data_start, info, dst)
+        with torch.no_grad(), ThreadPoolExecutor(min(READ_THREADS, os.cpu_count() or 1)) as pool:
+            for _ in pool.map(lambda job: job(), jobs):
+                pass
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+READ_THREADS = 4
+READ_CHUNK = 64 << 20
 
 
 def _read_header(f: Path) -> tuple[int, dict]:
@@ -608,15 +620,32 @@ _ST_DTYPES = {
 }
 
 
-def _read_into(fh, data_start: int, info: dict, dst: torch.Tensor) -> None:
-    """Read one safetensors entry (little-endian, as this machine) into `dst`."""
+def _read_jobs(fd: int, f: Path, data_start: int, info: dict, dst: torch.Tensor) -> list:
+    """Callables that read one safetensors entry (little-endian, as this machine) into `dst`:
+    READ_CHUNK-sized pieces straight into it when it is a contiguous CPU tensor of the file's
+    dtype, else one read into a temporary and a cast copy."""
     dtype = _ST_DTYPES[info["dtype"]]
-    start, end = info["data_offsets"]
-    direct = dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous()
-    target = dst if direct else torch.empty(info["shape"], dtype=dtype)  # sizes checked by _read_header
-    fh.seek(data_start + start)
-    view = memoryview(target.view(-1).view(torch.uint8).numpy())
-    if fh.readinto(view) != end - start:
-        raise ValueError("file ends inside a tensor")
-    if not direct:
-        dst.copy_(target)
+    start, end = (data_start + o for o in info["data_offsets"])  # sizes checked by _read_header
+
+    def read(view: memoryview, offset: int) -> None:
+        try:
+            n = os.preadv(fd, [view], offset)
+        except OSError as e:
+            raise CheckpointError(f"{f}: cannot read tensor data ({e}): re-export or re-download it") from e
+        if n != len(view):
+            raise CheckpointError(
+                f"{f}: the file ends inside a tensor; it is truncated or corrupt: re-export or re-download it"
+            )
+
+    if dst.device.type == "cpu" and dst.dtype == dtype and dst.is_contiguous():
+        raw = memoryview(dst.view(-1).view(torch.uint8).numpy())
+        return [
+            lambda o=o: read(raw[o : o + READ_CHUNK], start + o) for o in range(0, end - start, READ_CHUNK)
+        ]
+
+    def convert() -> None:
+        tmp = torch.empty(info["shape"], dtype=dtype)
+        read(memoryview(tmp.view(-1).view(torch.uint8).numpy()), start)
+        dst.copy_(tmp)
+
+    return [convert]
