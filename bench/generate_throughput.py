@@ -21,6 +21,15 @@ import torch
 from bench30m import BENCH_30M
 
 
+def same_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share (greedy decoding diverges for good after one
+    near-tie resolved differently by rounding)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -88,6 +97,9 @@ def main() -> None:
                 "transformers_tokens_per_s": round(tps["transformers"], 1),
                 "ratio": round(tps["ladle"] / tps["transformers"], 3),
                 "same_tokens": outs["ladle"] == outs["transformers"],
+                "same_prefix_per_row": [
+                    same_prefix(a, b) for a, b in zip(outs["ladle"], outs["transformers"], strict=True)
+                ],
                 "repeats": args.repeats,
             }
         )
