@@ -82,8 +82,12 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.nproc > 1 or args.nnodes > 1:
         from ladle.config.checks import check_all
+        from ladle.models.hf import resolve_config
+        from ladle.parallel.mesh import check_layout
 
-        check_all(cfg)  # fail here, once, before torchrun starts N processes
+        # Fail here, once, before torchrun starts N processes.
+        check_all(cfg)
+        check_layout(resolve_config(cfg), args.nproc * args.nnodes)
         return _torchrun(args)
     status = recipe.run(cfg)
     return 0 if status in ("completed", "exit", "SIGTERM", "SIGINT") else 1

@@ -53,8 +53,12 @@ def data_dir(corpus, tokenizer_dir, tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_config(tokenizer_dir, data_dir, tmp_path):
     """A config dict for a model of a few thousand parameters that trains in milliseconds a step."""
+    return make_tiny_config(tokenizer_dir, data_dir, tmp_path / "run")
+
+
+def make_tiny_config(tokenizer_dir, data_dir, output_dir) -> dict:
     return {
-        "output_dir": str(tmp_path / "run"),
+        "output_dir": str(output_dir),
         "seed": 7,
         "model": {
             "vocab_size": 512,

@@ -291,43 +291,6 @@ def test_cli_run_exit_codes(tiny_config, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_two_data_parallel_processes_match_one(tiny_config, tmp_path):
-    """torchrun with 2 gloo ranks, each reading half of every global batch, gives the losses of
-    one process reading all of it (the same samples, gradients averaged over ranks)."""
-    cfg_file = _write_config(tiny_config, tmp_path / "c.yaml", max_steps=6, eval_every=3)
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={one}"]) == 0
-    r = subprocess.run(
-        ladle_cmd(
-            "run",
-            "pretrain",
-            "--config",
-            str(cfg_file),
-            "--nproc",
-            "2",
-            f"output_dir={two}",
-            "train.micro_batch_size=1",
-            "train.threads=1",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    a, b = losses(one), losses(two)
-    assert sorted(a) == sorted(b) == list(range(1, 7))
-    for s in a:
-        assert b[s][0] == pytest.approx(a[s][0], rel=1e-5, abs=1e-6)
-        assert b[s][1] == pytest.approx(a[s][1], rel=1e-4)
-    for s, v in val_losses(one).items():
-        assert val_losses(two)[s] == pytest.approx(v, rel=1e-5)
-    events = (two / "events.log").read_text()
-    assert "[rank 0]" in events and "[rank 1]" in events
-    card = json.loads((two / "run_card.json").read_text())
-    assert card["world_size"] == 2
-
-
-@pytest.mark.slow
 def test_compiled_blocks_train_like_eager(tiny_config, tmp_path):
     # train.compile: inductor-compiled blocks give the eager losses (to fusion rounding), a
     # validation under no_grad and the end-of-run sample work, and checkpoint names are unchanged.

@@ -208,6 +208,35 @@ class CheckpointConfig(Section):
     async_save: bool = False
 
 
+class ParallelConfig(Section):
+    """The parallel layout over all processes (ladle/parallel/mesh.py): their product is the world
+    size. Checked against the world and the model before any process starts."""
+
+    dp_replicate: int = Field(1, ge=1, description="data-parallel replicas (DDP alone; HSDP with dp_shard)")
+    dp_shard: int = Field(-1, ge=-1, description="FSDP2 shards; -1 takes what the other degrees leave")
+    tp: int = Field(1, ge=1, description="tensor parallel (with sequence parallel and loss parallel)")
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    cp: int = Field(1, ge=1, description="context parallel (sequence sharding)")
+    ep: int = Field(1, ge=1, description="expert parallel (MoE models)")
+    reshard_after_forward: bool = Field(
+        True,
+        description="FSDP: free the gathered weights after forward (less memory, another all-gather in backward)",
+    )
+    cpu_offload: bool = Field(
+        False, description="FSDP: keep sharded weights, gradients and optimizer state on the host"
+    )
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="FSDP under bf16-mixed: dtype of the gradient reduce-scatter"
+    )
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _not_zero(cls, v):
+        if v == 0:
+            raise ValueError("must be -1 (the rest of the world) or at least 1")
+        return v
+
+
 class SampleConfig(Section):
     """A generated sample printed at the end of a run (the demo's "does it write Python?")."""
 
@@ -228,6 +257,7 @@ class LadleConfig(Section):
     train: TrainConfig = TrainConfig()
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    parallel: ParallelConfig = ParallelConfig()
     sample: SampleConfig = SampleConfig()
 
     @model_validator(mode="after")

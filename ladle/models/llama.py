@@ -127,16 +127,18 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, layer: int = 0):
         B, T, _ = x.shape
-        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D)
-        k = self.k_proj(x).view(B, T, K, D)
-        v = self.v_proj(x).view(B, T, K, D)
+        D = self.head_dim
+        # Head counts from the shapes (-1): under tensor parallelism the projections hold only
+        # this rank's H / tp and K / tp heads (ladle/parallel/tp.py).
+        q = self.q_proj(x).view(B, T, -1, D)
+        k = self.k_proj(x).view(B, T, -1, D)
+        v = self.v_proj(x).view(B, T, -1, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.attend(q, k, v, mask, cache, layer)  # (B, H, T, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
     @torch.compiler.disable  # eager under train.compile: see ladle/parallel/compile.py
     def attend(self, q, k, v, mask, cache: KVCache | None, layer: int) -> torch.Tensor:

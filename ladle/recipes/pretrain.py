@@ -14,16 +14,22 @@ from ladle.data.loader import BatchLayout, PackedSamples, PretrainLoader, eval_b
 from ladle.data.prepare import open_split
 from ladle.models.hf import load_hf_weights, resolve_config
 from ladle.models.llama import build_model, count_params
-from ladle.parallel.compile import compile_blocks, eager
+from ladle.parallel.compile import eager
+from ladle.parallel.mesh import Layout, Parallel, check_layout
+from ladle.parallel.parallelize import gather_model, parallelize
 from ladle.train.loop import Trainer
 from ladle.train.metrics import flops_per_token
 from ladle.train.run import RunDir, resolve_resume, throughput_summary
 
 
-def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -> Trainer:
+def build_trainer(
+    cfg: LadleConfig, device: torch.device, found: dict, resume, par: Parallel | None = None
+) -> Trainer:
+    par = par or Parallel(Layout(), device)
     run = RunDir(cfg, device, recipe="pretrain", resume=resume)
     t = cfg.train
-    layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, dist.rank(), dist.world_size())
+    # Each data-parallel rank reads its own slice of every global batch; a TP group shares one.
+    layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, par.dp_rank, par.dp_size)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
@@ -32,14 +38,7 @@ def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -
     if cfg.model.init_from and resume is None:  # a resumed run has its weights in the checkpoint
         load_hf_weights(model, cfg.model.init_from)
         run.events(f"weights from {cfg.model.init_from}")
-    if t.compile:
-        compile_blocks(model)
-    if dist.world_size() > 1:
-        # Plain data parallel: every rank holds the whole model and reads its own slice of each
-        # global batch. (Sharded layouts, FSDP2 / TP / PP, come with the parallel module.)
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type != "cpu" else None)
+    model = parallelize(model, par, cfg, device)
     n_params = count_params(cfg.model)
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     m = cfg.model
@@ -51,17 +50,18 @@ def build_trainer(cfg: LadleConfig, device: torch.device, found: dict, resume) -
     n_eval = eval_batch_count(val, layout, t.eval_steps)
     evaluate = (lambda: eval_batches(val, layout, t.eval_steps, device)) if n_eval else None
 
-    trainer = Trainer(cfg, run, model, loader, flops_per_token=fpt, eval_batches=evaluate)
+    trainer = Trainer(cfg, run, model, loader, flops_per_token=fpt, eval_batches=evaluate, parallel=par)
     run.events(
         f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"
         f"{', experts a token uses' if cfg.model.moe else ''}); "
         f"{len(train):,} train samples of {cfg.data.seq_len} tokens, {len(val):,} validation samples; "
-        f"device {device} ({dev.device_name(device)}), world size {dist.world_size()}"
+        f"device {device} ({dev.device_name(device)}), world size {dist.world_size()}, "
+        f"layout {par.layout.describe()}"
     )
     if t.eval_steps and not n_eval:
         run.events(
             f"no validation: the val split has {len(val)} samples, fewer than one batch of "
-            f"{t.micro_batch_size * dist.world_size()}; prepare with --val-fraction to hold some out",
+            f"{t.micro_batch_size * par.dp_size}; prepare with --val-fraction to hold some out",
             level="warning",
         )
     run.write_card(
@@ -109,7 +109,8 @@ def run(cfg: LadleConfig) -> str:
     dist.init(device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    trainer = build_trainer(cfg, device, found, resume)
+    par = Parallel(check_layout(cfg, dist.world_size()), device)
+    trainer = build_trainer(cfg, device, found, resume, par)
     run_dir = trainer.run
     status = trainer.fit()
     final = {"status": status, "step": trainer.step, "tokens_seen": trainer.tokens_seen}
@@ -118,10 +119,12 @@ def run(cfg: LadleConfig) -> str:
     if trainer.last_val:
         final["val_loss"] = trainer.last_val["val_loss"]
         final["val_ppl"] = trainer.last_val["val_ppl"]
-    if dist.is_main() and status == "completed":
-        model = getattr(trainer.model, "module", trainer.model)  # unwrapped from DDP
-        with eager():
-            text = sample_text(cfg, model, found["tokenizer"], device)
+    if status == "completed" and cfg.sample.prompt and cfg.sample.max_new_tokens:
+        model = gather_model(trainer.model, cfg, par)  # every rank takes part; rank 0 gets it
+        text = None
+        if model is not None:
+            with eager():
+                text = sample_text(cfg, model, found["tokenizer"], device)
         if text is not None:
             final["sample"] = text
             run_dir.console.rule("sample")

@@ -24,6 +24,8 @@ from ladle import distributed as dist
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_dict, to_yaml
 from ladle.models.moe import expert_load_metrics, router_losses
+from ladle.parallel.clip import clip_grad_norm_
+from ladle.parallel.mesh import Layout, Parallel
 from ladle.train.checkpoint import Checkpointer
 from ladle.train.loss import IGNORE_INDEX, cross_entropy_sum
 from ladle.train.metrics import format_line
@@ -101,8 +103,10 @@ class Trainer:
         flops_per_token: float,
         eval_batches: Callable[[], Iterable[dict]] | None = None,
         loss_fn: Callable = causal_lm_loss,
+        parallel: Parallel | None = None,
     ):
         self.cfg, self.run, self.model, self.loader = cfg, run, model, loader
+        self.parallel = parallel or Parallel(Layout(), run.device)
         self.device = run.device
         self.loss_fn = loss_fn
         self.eval_batches = eval_batches
@@ -160,11 +164,12 @@ class Trainer:
     def train_step(self, micro: list[dict[str, torch.Tensor]]) -> dict:
         # The loss is the sum over the real target tokens of the whole global batch divided by
         # their number, so the gradient does not depend on how the batch is split into
-        # microbatches and ranks. Data-parallel wrappers average gradients over ranks, hence
-        # the factor dp_world.
+        # microbatches and ranks. Data-parallel wrappers (DDP, FSDP) average gradients over the
+        # data ranks, hence the factor dp; the ranks of a TP group share their samples.
+        par = self.parallel
         local = sum(count_targets(b) for b in micro)
-        total = int(dist.all_reduce_sum(torch.tensor([local], device=self.device)).item())
-        scale = dist.world_size() / max(total, 1)
+        total = int(par.all_reduce_dp(torch.tensor([local], device=self.device)).item())
+        scale = par.dp_size / max(total, 1)
         loss_sum = torch.zeros((), device=self.device)
         moe = self.cfg.model.moe
         core = getattr(self.model, "module", self.model)  # unwrapped from DDP
@@ -173,7 +178,7 @@ class Trainer:
         for i, b in enumerate(micro):
             # A data-parallel wrapper all-reduces gradients on the last microbatch only.
             sync = i == len(micro) - 1 or not hasattr(self.model, "no_sync")
-            with contextlib.nullcontext() if sync else self.model.no_sync():
+            with contextlib.nullcontext() if sync else self.model.no_sync(), par.loss_context():
                 with self.precision.autocast():
                     loss = self.loss_fn(self.model, b)
                     total_loss = loss * scale
@@ -185,13 +190,13 @@ class Trainer:
                         router.append([torch.stack([s[j].detach().float() for s in stats]) for j in range(3)])
                 self.precision.scale(total_loss).backward()
             loss_sum += loss.detach()
-        loss_val = float(dist.all_reduce_sum(loss_sum).item()) / max(total, 1)
+        loss_val = float(par.all_reduce_dp(loss_sum).item()) / max(total, 1)
         dev.synchronize(self.device)
         t_bwd = time.perf_counter()
 
         self.precision.unscale(self.optimizer)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = float(clip_grad_norm_(self.model.parameters(), clip))
         finite = math.isfinite(loss_val) and (math.isfinite(grad_norm) or self.precision.scaler is not None)
         if finite:
             stepped = self.precision.step(self.optimizer)
@@ -208,7 +213,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "finite": finite,
             "skipped": not stepped,
-            "tokens": sum(b["tokens"].numel() for b in micro) * dist.world_size(),
+            "tokens": sum(b["tokens"].numel() for b in micro) * par.dp_size,
             "t_bwd": t_bwd,
             "router": router,
         }
@@ -242,11 +247,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         for b in self.eval_batches():
-            with self.precision.autocast():
+            with self.parallel.loss_context(), self.precision.autocast():
                 loss_sum += self.loss_fn(self.model, b).double()
             count += count_targets(b)
-        dist.all_reduce_sum(loss_sum)
-        dist.all_reduce_sum(count)
+        self.parallel.all_reduce_dp(loss_sum)
+        self.parallel.all_reduce_dp(count)
         if count.item() == 0:
             return None
         val = float(loss_sum / count)
@@ -274,7 +279,8 @@ class Trainer:
             return status
         run.events(
             f"training from step {self.step} to {t.max_steps}; global batch "
-            f"{t.micro_batch_size * t.grad_accum_steps * dist.world_size()} x {cfg.data.seq_len} tokens; "
+            f"{t.micro_batch_size * t.grad_accum_steps * self.parallel.dp_size} x {cfg.data.seq_len} tokens; "
+            f"layout {self.parallel.layout.describe()}; "
             f"MFU peak {self.peak_tflops:.2f} TFLOP/s ({self.peak_source})"
         )
         dev.reset_peak_memory(self.device)

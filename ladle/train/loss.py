@@ -12,6 +12,8 @@ logits' own dtype. The math is the same (fp32 accumulation); only rounding order
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
 
@@ -58,5 +60,14 @@ def cross_entropy_sum(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
     """Sum over the non-ignored targets of -log softmax(logits)[target], in fp32, for logits of
-    any float dtype and shape (..., vocab)."""
+    any float dtype and shape (..., vocab).
+
+    Vocab-sharded logits (a DTensor, from tensor parallelism) take PyTorch's loss-parallel
+    cross-entropy, which must run under `loss_parallel()` (ladle/parallel/mesh.py): each rank
+    reduces its slice of the vocabulary and the full logits are never gathered."""
+    if isinstance(logits, DTensor):
+        loss = F.cross_entropy(
+            logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum"
+        )
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
     return _CrossEntropySum.apply(logits, targets, ignore_index)

@@ -1,0 +1,34 @@
+"""Global-norm gradient clipping that spans sharded parameters.
+
+With FSDP2 and tensor parallel the gradients are DTensors: the norm of each is computed over its
+shards and combined across ranks, so every rank gets the norm of the whole model's gradient (the
+one a single process would compute) and clips by the same factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.zeros(())
+    # Group by mesh and placements: one foreach norm per kind, then the total over kinds.
+    groups: dict = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, norm_type=2.0, foreach=True)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,162 @@
+"""The parallel layout: degrees checked against the world and the model, and one DeviceMesh.
+
+Mesh dimensions, outermost first, as torchtitan orders them: `pp, dp_replicate, dp_shard, cp, tp`
+(tensor parallel innermost, so its heavy collectives stay between neighbouring ranks, on one
+machine). Data parallelism is `dp_replicate x dp_shard`: every data-parallel rank reads its own
+slice of each global batch; the ranks of one TP (or PP, CP) group read the same samples.
+
+`check_layout` runs before any process starts (`ladle run --nproc`, `ladle validate`) and again
+in each process; it refuses what does not divide, with the arithmetic in the message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ladle.config import LadleConfig
+from ladle.errors import ConfigError
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 whenever weights are sharded over data ranks, or data parallelism meets another
+        degree (DDP composes with nothing else); plain DDP for pure replication."""
+        return self.dp_shard > 1 or (self.dp_replicate > 1 and self.world > self.dp_replicate)
+
+    def describe(self) -> str:
+        parts = [f"{d}={getattr(self, d)}" for d in (*DIMS, "ep") if getattr(self, d) > 1]
+        kind = "FSDP2" if self.fsdp else "DDP" if self.dp > 1 else None
+        return (", ".join(parts) or "one process") + (f" ({kind})" if kind else "")
+
+
+def resolve_layout(cfg: LadleConfig, world: int) -> Layout:
+    p = cfg.parallel
+    others = p.dp_replicate * p.tp * p.pp * p.cp
+    fixed = f"dp_replicate={p.dp_replicate} x tp={p.tp} x pp={p.pp} x cp={p.cp} = {others}"
+    if p.dp_shard == -1:
+        if world % others:
+            raise ConfigError(
+                f"parallel: {fixed} does not divide the world size {world}; change the degrees or --nproc"
+            )
+        shard = world // others
+    else:
+        shard = p.dp_shard
+        if others * shard != world:
+            raise ConfigError(
+                f"parallel: {fixed} x dp_shard={shard} = {others * shard}, but the world size is {world}; "
+                "set parallel.dp_shard=-1 to take the rest, or change --nproc"
+            )
+    return Layout(p.dp_replicate, shard, p.tp, p.pp, p.cp, p.ep)
+
+
+def check_layout(cfg: LadleConfig, world: int) -> Layout:
+    """The layout for `world` processes, or a ConfigError that says what to change."""
+    lay = resolve_layout(cfg, world)
+    m = cfg.model
+    errors = []
+
+    def divides(name: str, degree: int, field: str, value: int):
+        if value % degree:
+            errors.append(f"{name}={degree} does not divide model.{field}={value}")
+
+    if lay.tp > 1:
+        divides("tp", lay.tp, "n_heads", m.n_heads)
+        divides("tp", lay.tp, "n_kv_heads", m.kv_heads)
+        if not m.moe:
+            divides("tp", lay.tp, "ffn_dim", m.ffn_dim)
+        divides("tp", lay.tp, "vocab_size", m.vocab_size)
+        if cfg.data.seq_len % lay.tp:  # sequence parallel splits every sample's tokens
+            errors.append(f"tp={lay.tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
+        if m.tie_embeddings:
+            errors.append(
+                "tp > 1 with model.tie_embeddings=true is not supported yet (the embedding and the "
+                "head would need one sharding); use dp_shard for this model"
+            )
+        if m.moe:
+            errors.append("tp > 1 on an MoE model is not supported yet; shard it with dp_shard")
+    if lay.pp > 1:
+        if m.n_layers < lay.pp:
+            errors.append(f"pp={lay.pp} stages for model.n_layers={m.n_layers} would leave a stage empty")
+        errors.append("pp > 1: pipeline parallelism is not built yet (issue 4 in progress)")
+    if lay.cp > 1:
+        divides("2 x cp", 2 * lay.cp, "max_seq_len", m.max_seq_len)
+        if cfg.data.seq_len % (2 * lay.cp):
+            errors.append(f"2 x cp={2 * lay.cp} does not divide data.seq_len={cfg.data.seq_len}")
+        errors.append("cp > 1: context parallelism is not built yet (issue 4 in progress)")
+    if lay.ep > 1:
+        if not m.moe:
+            errors.append(f"ep={lay.ep} on a dense model: expert parallelism needs model.moe")
+        else:
+            divides("ep", lay.ep, "moe.n_experts", m.moe.n_experts)
+        if (lay.dp_shard * lay.cp) % lay.ep:
+            errors.append(
+                f"ep={lay.ep} must divide dp_shard x cp = {lay.dp_shard * lay.cp} (it borrows those ranks)"
+            )
+        errors.append("ep > 1: expert parallelism is not built yet (issue 4 in progress)")
+    if cfg.parallel.cpu_offload and not lay.fsdp:
+        errors.append("parallel.cpu_offload needs FSDP (dp_shard > 1)")
+    if errors:
+        raise ConfigError(f"parallel layout {lay.describe()} for world size {world}: " + "; ".join(errors))
+    return lay
+
+
+class Parallel:
+    """The layout of this process: its mesh (None alone), its data-parallel rank and group, and
+    the loss context (tensor parallel computes the loss on vocab-sharded logits)."""
+
+    def __init__(self, layout: Layout, device: torch.device):
+        self.layout = layout
+        self.mesh = None
+        self.dp_rank, self.dp_size, self.dp_group = 0, 1, None
+        if layout.world == 1:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(getattr(layout, d) for d in DIMS)
+        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
+        dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")  # private, but stable since torch 2.4
+        self.dp_rank, self.dp_size, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
+
+    def submesh(self, *names: str):
+        return self.mesh[names] if len(names) > 1 else self.mesh[names[0]]
+
+    def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (the ranks that read different samples)."""
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(t, group=self.dp_group)
+        return t
+
+    def loss_context(self):
+        if self.layout.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    @property
+    def replicas_per_sample(self) -> int:
+        """Ranks that see the same samples (a TP / PP / CP group): world / dp."""
+        return math.prod(getattr(self.layout, d) for d in ("tp", "pp", "cp"))

@@ -1,0 +1,49 @@
+"""Applies the layout to a model from outside, in torchtitan's order: tensor parallel first (it
+changes what the parameters are), then compile per block, then FSDP2 over the data ranks (it
+wraps the DTensors TP made) or DDP for pure replication."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ladle.config import LadleConfig
+from ladle.parallel.compile import compile_blocks
+from ladle.parallel.fsdp import apply_ddp, apply_fsdp
+from ladle.parallel.mesh import Parallel
+from ladle.parallel.tp import apply_tp
+
+
+def parallelize(model: nn.Module, par: Parallel, cfg: LadleConfig, device: torch.device) -> nn.Module:
+    lay = par.layout
+    if lay.tp > 1:
+        apply_tp(model, par.submesh("tp"))
+    if cfg.train.compile:
+        compile_blocks(model)
+    if lay.fsdp:
+        mesh = par.submesh("dp_replicate", "dp_shard") if lay.dp_replicate > 1 else par.submesh("dp_shard")
+        return apply_fsdp(model, mesh, cfg.parallel, cfg.precision.mode)
+    if lay.dp > 1:
+        return apply_ddp(model, device)
+    return model
+
+
+def gather_model(model: nn.Module, cfg: LadleConfig, par: Parallel) -> nn.Module | None:
+    """A plain, whole copy of a sharded model on rank 0 (None elsewhere), for the end-of-run
+    sample. Every rank must call it (the shards are gathered)."""
+    if par.layout.world == 1:
+        return model
+    core = getattr(model, "module", model)  # DDP
+    if not (par.layout.fsdp or par.layout.tp > 1):
+        return core if torch.distributed.get_rank() == 0 else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from ladle.models.llama import build_model
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if torch.distributed.get_rank() != 0:
+        return None
+    w = next(iter(full.values()))
+    plain = build_model(cfg.model, device="cpu", dtype=w.dtype, init=False)
+    plain.load_state_dict(full)
+    return plain.to(next(core.parameters()).device)

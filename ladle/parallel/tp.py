@@ -1,0 +1,81 @@
+"""Tensor parallel with sequence parallel (Megatron-LM's layout, on DTensor), applied from outside.
+
+Per block: the norms run on sequence shards (`SequenceParallel`), attention and MLP gather the
+sequence once at their input, q/k/v and gate/up are split by output (heads, hidden units:
+`ColwiseParallel`), o and down by input (`RowwiseParallel`) and reduce-scattered back to sequence
+shards. The embedding is split by vocabulary rows, the head by vocabulary columns, and its
+logits stay sharded (a DTensor): the cross-entropy runs under `loss_parallel()`, so the full
+(tokens x vocab) logits never exist on one rank. The model code sees plain local tensors of
+`n_heads / tp` heads and infers head counts from shapes, so it knows nothing of this.
+
+Qwen3's per-head q/k norms see local heads; their weights become replicated DTensors whose
+gradients are summed over the TP group (a plain parameter would only see its local heads).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+    )
+    for block in model.layers:
+        plan = {
+            "input_layernorm": SequenceParallel(),
+            # Block.forward(x, cos, sin, mask, cache, layer): only x is sharded (by sequence).
+            "self_attn": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None, None, None),
+            ),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(block, tp_mesh, plan)
+        attn = block.self_attn
+        if getattr(attn, "qk_norm", False):
+            for norm in (attn.q_norm, attn.k_norm):
+                _heads_sharded(norm, tp_mesh)
+
+
+def _heads_sharded(norm: nn.Module, mesh) -> None:
+    """A per-head norm on (B, T, heads / tp, D) local tensors: computed as a DTensor sharded on the
+    head dimension with a replicated weight, so the weight's gradient is reduced over TP ranks."""
+
+    def replicate(name, module, mesh):
+        for key, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(key, nn.Parameter(distribute_tensor(p.data, mesh, [Replicate()])))
+
+    distribute_module(
+        norm,
+        mesh,
+        replicate,
+        input_fn=lambda mod, inputs, mesh: (
+            DTensor.from_local(inputs[0], mesh, [Shard(2)], run_check=False),
+        ),
+        output_fn=lambda mod, out, mesh: out.to_local(),
+    )

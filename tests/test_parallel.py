@@ -1,0 +1,217 @@
+"""Parallel layouts: the checks before launch, and each layout trained on several gloo processes
+against one process (fp32, same global batch, same samples)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from conftest import make_tiny_config
+
+from ladle.cli import main
+from ladle.config.load import build_config
+from ladle.errors import ConfigError
+from ladle.models.llama import build_model
+from ladle.parallel.mesh import check_layout, resolve_layout
+from ladle.train.checkpoint import load_model_weights
+from ladle.train.metrics import read_metrics
+
+STEPS = 10
+# Qwen3's layout (QK-norm, head_dim set): tensor parallel then also shards the per-head norms.
+QWEN3 = {"family": "qwen3", "qk_norm": True, "head_dim": 8}
+
+
+def cfg_of(tiny_config, **parallel):
+    d = json.loads(json.dumps(tiny_config))
+    d["model"].update(QWEN3)
+    d["parallel"] = parallel
+    return build_config(d)
+
+
+# -- the checks, before any process starts -----------------------------------------------------
+def test_dp_shard_takes_the_rest(tiny_config):
+    lay = resolve_layout(cfg_of(tiny_config, tp=2), 8)
+    assert (lay.dp_replicate, lay.dp_shard, lay.tp, lay.dp, lay.world) == (1, 4, 2, 4, 8)
+    assert lay.fsdp
+    assert not resolve_layout(cfg_of(tiny_config, dp_replicate=4, dp_shard=1), 4).fsdp  # DDP
+    assert resolve_layout(
+        cfg_of(tiny_config, dp_replicate=2, dp_shard=1, tp=2), 4
+    ).fsdp  # DDP composes with nothing
+
+
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        ({"tp": 3}, 8, r"tp=3 x pp=1 x cp=1 = 3 does not divide the world size 8"),
+        ({"dp_shard": 2, "tp": 2}, 8, r"dp_shard=2 = 4, but the world size is 8; set parallel\.dp_shard=-1"),
+        ({"tp": 4, "dp_shard": 1}, 4, r"tp=4 does not divide model\.n_kv_heads=2"),
+        ({"pp": 4, "dp_shard": 1}, 4, r"pp=4 stages for model\.n_layers=2 would leave a stage empty"),
+        ({"ep": 2}, 2, r"ep=2 on a dense model: expert parallelism needs model\.moe"),
+        ({"cpu_offload": True, "dp_replicate": 2, "dp_shard": 1}, 2, r"cpu_offload needs FSDP"),
+    ],
+)
+def test_layouts_that_do_not_fit_are_refused_with_the_arithmetic(tiny_config, parallel, world, message):
+    with pytest.raises(ConfigError, match=message):
+        check_layout(cfg_of(tiny_config, **parallel), world)
+
+
+def test_tp_with_tied_embeddings_is_refused_by_name(tiny_config):
+    cfg = cfg_of(tiny_config, tp=2)
+    cfg.model.tie_embeddings = True
+    with pytest.raises(ConfigError, match=r"tp > 1 with model\.tie_embeddings=true is not supported yet"):
+        check_layout(cfg, 2)
+
+
+def test_cli_refuses_a_bad_layout_before_torchrun(tiny_config, tmp_path, capsys):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_config))
+    out = tmp_path / "run"
+    assert (
+        main(
+            [
+                "run",
+                "pretrain",
+                "--config",
+                str(cfg_file),
+                "--nproc",
+                "2",
+                "parallel.tp=3",
+                f"output_dir={out}",
+            ]
+        )
+        == 2
+    )
+    assert "tp=3 x pp=1 x cp=1 = 3 does not divide the world size 2" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# -- layouts on gloo against one process ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(tokenizer_dir, data_dir, tmp_path_factory):
+    """One process, fp32: the run every layout must reproduce."""
+    tmp = tmp_path_factory.mktemp("ref")
+    cfg = write_config(make_tiny_config(tokenizer_dir, data_dir, tmp / "one"), tmp / "c.yaml")
+    assert main(["run", "pretrain", "--config", str(cfg), f"output_dir={tmp / 'one'}"]) == 0
+    return cfg, tmp / "one"
+
+
+def write_config(tiny_config, path):
+    d = json.loads(json.dumps(tiny_config))
+    d["model"].update(QWEN3)
+    # grad_clip below the norms seen (~0.8): every step is clipped by the norm over all shards.
+    d["train"].update(
+        max_steps=STEPS, eval_every=5, micro_batch_size=2, grad_accum_steps=2, threads=1, grad_clip=0.5
+    )
+    d["checkpoint"]["every"] = 5
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def launch(cfg_file, out, nproc, *overrides):
+    cmd = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(cfg_file), "--nproc", str(nproc)]
+    r = subprocess.run([*cmd, f"output_dir={out}", *overrides], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def final_weights(run_dir, cfg_file):
+    model = build_model(build_config(yaml.safe_load(cfg_file.read_text())).model)
+    load_model_weights(run_dir / "checkpoints" / "step_00000010", model)
+    return model.state_dict()
+
+
+def assert_same_run(a, b, cfg_file):
+    """Per-step loss to 1e-5 (fp32; the sums run in another order over shards), gradient norm to
+    1e-4 relative, validation loss, and the final weights to 1e-5."""
+    ra, rb = read_metrics(a), read_metrics(b)
+    la = {r["step"]: r for r in ra if "loss" in r}
+    lb = {r["step"]: r for r in rb if "loss" in r}
+    assert sorted(la) == sorted(lb) == list(range(1, STEPS + 1))
+    for s in la:
+        assert lb[s]["loss"] == pytest.approx(la[s]["loss"], abs=1e-5), s
+        assert lb[s]["grad_norm"] == pytest.approx(la[s]["grad_norm"], rel=1e-4), s
+    va = {r["step"]: r["val_loss"] for r in ra if "val_loss" in r}
+    vb = {r["step"]: r["val_loss"] for r in rb if "val_loss" in r}
+    assert va.keys() == vb.keys() and va
+    for s in va:
+        assert vb[s] == pytest.approx(va[s], abs=1e-5)
+    wa, wb = final_weights(a, cfg_file), final_weights(b, cfg_file)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+LAYOUTS = {
+    # name: (processes, overrides); every one keeps the global batch of 2 x 2 accumulation steps
+    "fsdp dp_shard=2": (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"]),
+    "ddp dp_replicate=2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch_size=1"]),
+    "tp=2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
+    "dp_shard=2 x tp=2": (4, ["parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch_size=1"]),
+    "hsdp dp_replicate=2 x dp_shard=2": (
+        4,
+        # 4 data ranks: 1 sample each, no accumulation; one validation batch of 4 like the reference's 2 x 2
+        [
+            "parallel.dp_replicate=2",
+            "parallel.dp_shard=2",
+            "train.micro_batch_size=1",
+            "train.grad_accum_steps=1",
+            "train.eval_steps=1",
+        ],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_trains_like_one_process(reference, tmp_path, name):
+    cfg_file, one = reference
+    nproc, overrides = LAYOUTS[name]
+    out = tmp_path / "par"
+    launch(cfg_file, out, nproc, *overrides)
+    assert_same_run(one, out, cfg_file)
+    events = (out / "events.log").read_text()
+    assert all(f"[rank {r}]" in events for r in range(nproc))
+    card = json.loads((out / "run_card.json").read_text())
+    assert card["world_size"] == nproc and card["final"]["sample"].startswith("def ")
+
+
+@pytest.mark.slow
+def test_resume_with_another_layout_continues_exactly(reference, tmp_path):
+    # FSDP over 2 ranks to step 5, then tensor parallel over 2 ranks from that checkpoint: the
+    # same losses and weights as the uninterrupted single process.
+    cfg_file, one = reference
+    out = tmp_path / "switch"
+    launch(cfg_file, out, 2, "parallel.dp_shard=2", "train.micro_batch_size=1", "train.exit_at_step=5")
+    launch(cfg_file, out, 2, "parallel.tp=2", "parallel.dp_shard=1", "train.resume=auto")
+    assert_same_run(one, out, cfg_file)
+    events = (out / "events.log").read_text()
+    assert "resumed from" in events and "parallel.tp: 1 -> 2" in events
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_and_checkpoint(reference, tmp_path):
+    """Two `ladle run --nnodes 2` processes meeting at a c10d rendezvous, one process each."""
+    import socket
+
+    cfg_file, one = reference
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "nodes"
+    base = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(cfg_file), "--nproc", "1"]
+    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    overrides = [f"output_dir={out}", "train.micro_batch_size=1"]
+    procs = [
+        subprocess.Popen(
+            [*base, *common, "--node-rank", str(r), *overrides],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    for p in procs:
+        text, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, text[-3000:]
+    assert_same_run(one, out, cfg_file)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000010"
