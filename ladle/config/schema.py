@@ -237,6 +237,26 @@ class ParallelConfig(Section):
         return v
 
 
+class ActivationCheckpointConfig(Section):
+    """Trading recomputation for activation memory (ladle/parallel/ac.py)."""
+
+    mode: Literal["none", "full", "selective"] = Field(
+        "none", description="full: recompute every block in backward; selective: see `selective`"
+    )
+    selective: Literal["op"] | int = Field(
+        "op",
+        description="op: keep matmul and attention outputs, recompute the cheap ops; N: checkpoint every N-th block",
+    )
+    offload: bool = Field(False, description="keep the saved activations in host memory (accelerators)")
+
+    @field_validator("selective")
+    @classmethod
+    def _positive(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("a block interval must be at least 1 (or 'op')")
+        return v
+
+
 class SampleConfig(Section):
     """A generated sample printed at the end of a run (the demo's "does it write Python?")."""
 
@@ -258,6 +278,7 @@ class LadleConfig(Section):
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     parallel: ParallelConfig = ParallelConfig()
+    activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     sample: SampleConfig = SampleConfig()
 
     @model_validator(mode="after")

@@ -1,5 +1,5 @@
 """Applies the layout to a model from outside, in torchtitan's order: tensor parallel first (it
-changes what the parameters are), then compile per block, then FSDP2 over the data ranks (it
+changes what the parameters are), activation checkpointing, compile per block, then FSDP2 over the data ranks (it
 wraps the DTensors TP made) or DDP for pure replication."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from ladle.config import LadleConfig
+from ladle.parallel.ac import apply_ac
 from ladle.parallel.compile import compile_blocks
 from ladle.parallel.fsdp import apply_ddp, apply_fsdp
 from ladle.parallel.mesh import Parallel
@@ -18,6 +19,8 @@ def parallelize(model: nn.Module, par: Parallel, cfg: LadleConfig, device: torch
     lay = par.layout
     if lay.tp > 1:
         apply_tp(model, par.submesh("tp"))
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(model, cfg.activation_checkpoint, device)
     if cfg.train.compile:
         compile_blocks(model)
     if lay.fsdp:
