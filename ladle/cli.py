@@ -113,6 +113,42 @@ def _torchrun(args) -> int:
     return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
 
 
+def cmd_launch_slurm(args) -> int:
+    from ladle.config.checks import check_all
+    from ladle.config.load import load_config
+    from ladle.launch import write_sbatch
+    from ladle.models.hf import resolve_config
+    from ladle.parallel.mesh import check_layout
+
+    _recipe(args.recipe)
+    cfg = load_config(args.config, args.overrides)
+    if not args.no_paths:
+        check_all(resolve_config(cfg))
+    world = args.nodes * args.gpus_per_node
+    lay = check_layout(resolve_config(cfg) if not args.no_paths else cfg, world)
+    path = write_sbatch(
+        recipe=args.recipe,
+        config=args.config,
+        overrides=args.overrides,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        out=args.output,
+        time=args.time,
+        partition=args.partition,
+        account=args.account,
+        job_name=args.job_name,
+        cpus_per_task=args.cpus_per_task,
+        port=args.port,
+        max_restarts=args.max_restarts,
+        env=args.env,
+        force=args.force,
+    )
+    print(
+        f"{path}: {args.nodes} nodes x {args.gpus_per_node} processes, layout {lay.describe()}; submit with: sbatch {path}"
+    )
+    return 0
+
+
 # -- data and tokenizer ------------------------------------------------------------------------
 def cmd_tokenizer_train(args) -> int:
     from ladle.tokenizer import load_tokenizer, train_tokenizer
@@ -248,6 +284,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-restarts", type=int, default=0)
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("launch", help="write a cluster job script for a run")
+    lsub = s.add_subparsers(dest="launch_command", required=True, metavar="SCHEDULER")
+    sl = lsub.add_parser(
+        "slurm", help="an sbatch script: one torchrun per node, c10d rendezvous on the first"
+    )
+    sl.add_argument("recipe", help=", ".join(RECIPES))
+    sl.add_argument("--config", required=True)
+    sl.add_argument("--nodes", type=int, required=True)
+    sl.add_argument(
+        "--gpus-per-node", type=int, required=True, help="processes per node (one per accelerator)"
+    )
+    sl.add_argument("--output", default="ladle.sbatch", help="the script to write")
+    sl.add_argument("--time", default="24:00:00")
+    sl.add_argument("--partition", default=None)
+    sl.add_argument("--account", default=None)
+    sl.add_argument("--job-name", default="ladle")
+    sl.add_argument("--cpus-per-task", type=int, default=None, help="default: 8 per process")
+    sl.add_argument("--port", type=int, default=29500, help="rendezvous port on the first node")
+    sl.add_argument("--max-restarts", type=int, default=0)
+    sl.add_argument("--env", action="append", metavar="NAME=VALUE", help="repeatable; exported in the job")
+    sl.add_argument(
+        "--no-paths", action="store_true", help="skip the tokenizer and data checks (paths of the cluster)"
+    )
+    sl.add_argument("--force", action="store_true")
+    sl.add_argument("overrides", nargs="*", metavar="key.path=value")
+    sl.set_defaults(fn=cmd_launch_slurm)
 
     s = sub.add_parser("tokenizer", help="tokenizer tools")
     tsub = s.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND")

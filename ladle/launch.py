@@ -1,0 +1,99 @@
+"""`ladle launch slurm`: an sbatch script for the same job `ladle run` would start.
+
+Slurm starts one task per node (`srun --ntasks-per-node=1`); each runs `ladle run --nproc G
+--nnodes N --rdzv-endpoint <first node>:PORT`, whose torchrun starts the G processes of that node
+and meets the others at the c10d rendezvous on the first node. The config and the layout are
+checked for N x G processes before the script is written, so a job that cannot start is never
+queued.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from ladle.errors import LadleError
+
+TEMPLATE = """#!/bin/bash
+# Written by `ladle launch slurm`; submit with: sbatch {script}
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+{gpus_line}#SBATCH --cpus-per-task={cpus}
+#SBATCH --time={time}
+#SBATCH --output={log_dir}/%x-%j.out
+{extra}
+set -euo pipefail
+cd {workdir}
+
+# The first node of the allocation hosts torchrun's c10d rendezvous.
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}
+{env}
+# One task per node; the c10d rendezvous gives each node its rank (no --node-rank needed).
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\
+  {ladle} run {recipe} --config {config} \\
+  --nproc {gpus} --nnodes {nodes} \\
+  --rdzv-endpoint "$head_node:{port}" --max-restarts {max_restarts} \\
+  {overrides}
+"""
+
+
+def write_sbatch(
+    *,
+    recipe: str,
+    config: str,
+    overrides: list[str],
+    nodes: int,
+    gpus_per_node: int,
+    out: str,
+    time: str = "24:00:00",
+    partition: str | None = None,
+    account: str | None = None,
+    job_name: str = "ladle",
+    cpus_per_task: int | None = None,
+    port: int = 29500,
+    max_restarts: int = 0,
+    env: list[str] | None = None,
+    force: bool = False,
+) -> Path:
+    if nodes < 1 or gpus_per_node < 1:
+        raise LadleError("--nodes and --gpus-per-node must be at least 1")
+    for kv in env or []:
+        if "=" not in kv:
+            raise LadleError(f"--env {kv!r}: expected NAME=VALUE")
+    path = Path(out)
+    if path.exists() and not force:
+        raise LadleError(f"{path} exists; pass --force to overwrite it")
+    extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
+    cpus = cpus_per_task or 8 * gpus_per_node
+    log_dir = Path.cwd() / "slurm-logs"  # must exist when the job starts
+    text = TEMPLATE.format(
+        script=shlex.quote(str(path)),
+        job_name=job_name,
+        nodes=nodes,
+        gpus_line=f"#SBATCH --gpus-per-node={gpus_per_node}\n",
+        cpus=cpus,
+        time=time,
+        log_dir=shlex.quote(str(log_dir)),
+        extra=extra.rstrip("\n"),
+        workdir=shlex.quote(os.getcwd()),
+        threads=max(1, cpus // gpus_per_node),
+        env="\n".join(f"export {kv.split('=', 1)[0]}={shlex.quote(kv.split('=', 1)[1])}" for kv in env or []),
+        ladle=f"{shlex.quote(sys.executable)} -m ladle",  # this environment's ladle on every node
+        recipe=recipe,
+        config=shlex.quote(str(Path(config).resolve()) if Path(config).exists() else config),
+        gpus=gpus_per_node,
+        port=port,
+        max_restarts=max_restarts,
+        overrides=" ".join(shlex.quote(o) for o in overrides),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
+    return path
