@@ -50,6 +50,7 @@ def test_dp_shard_takes_the_rest(tiny_config):
         ({"tp": 4, "dp_shard": 1}, 4, r"tp=4 does not divide model\.n_kv_heads=2"),
         ({"pp": 4, "dp_shard": 1}, 4, r"pp=4 stages for model\.n_layers=2 would leave a stage empty"),
         ({"ep": 2}, 2, r"ep=2 on a dense model: expert parallelism needs model\.moe"),
+        ({"ep": 2, "dp_shard": 1, "dp_replicate": 2}, 2, r"ep=2 must divide dp_shard=1"),
         ({"cpu_offload": True, "dp_replicate": 2, "dp_shard": 1}, 2, r"cpu_offload needs FSDP"),
     ],
 )
@@ -92,15 +93,32 @@ def test_cli_refuses_a_bad_layout_before_torchrun(tiny_config, tmp_path, capsys)
 @pytest.fixture(scope="module")
 def reference(tokenizer_dir, data_dir, tmp_path_factory):
     """One process, fp32: the run every layout must reproduce."""
-    tmp = tmp_path_factory.mktemp("ref")
-    cfg = write_config(make_tiny_config(tokenizer_dir, data_dir, tmp / "one"), tmp / "c.yaml")
+    return reference_run(tokenizer_dir, data_dir, tmp_path_factory.mktemp("ref"), QWEN3)
+
+
+# Router losses are means per microbatch (docs/training.md), so only without them does a split
+# batch give the single process's loss exactly; the routing itself is compared all the same.
+QWEN3_MOE = {
+    **QWEN3,
+    "family": "qwen3_moe",
+    "moe": {"n_experts": 4, "top_k": 2, "ffn_dim": 32, "aux_loss_weight": 0.0, "z_loss_weight": 0.0},
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tokenizer_dir, data_dir, tmp_path_factory):
+    return reference_run(tokenizer_dir, data_dir, tmp_path_factory.mktemp("moe"), QWEN3_MOE)
+
+
+def reference_run(tokenizer_dir, data_dir, tmp, model):
+    cfg = write_config(make_tiny_config(tokenizer_dir, data_dir, tmp / "one"), tmp / "c.yaml", model)
     assert main(["run", "pretrain", "--config", str(cfg), f"output_dir={tmp / 'one'}"]) == 0
     return cfg, tmp / "one"
 
 
-def write_config(tiny_config, path):
+def write_config(tiny_config, path, model):
     d = json.loads(json.dumps(tiny_config))
-    d["model"].update(QWEN3)
+    d["model"].update(model)
     # grad_clip below the norms seen (~0.8): every step is clipped by the norm over all shards.
     d["train"].update(
         max_steps=STEPS, eval_every=5, micro_batch_size=2, grad_accum_steps=2, threads=1, grad_clip=0.5
@@ -178,6 +196,36 @@ def test_layout_trains_like_one_process(reference, tmp_path, name):
     assert all(f"[rank {r}]" in events for r in range(nproc))
     card = json.loads((out / "run_card.json").read_text())
     assert card["world_size"] == nproc and card["final"]["sample"].startswith("def ")
+
+
+MOE_LAYOUTS = {
+    "ep=2": (2, ["parallel.ep=2", "train.micro_batch_size=1"]),
+    "ep=2 in dp_shard=4": (
+        4,
+        [
+            "parallel.ep=2",
+            "parallel.dp_shard=4",
+            "train.micro_batch_size=1",
+            "train.grad_accum_steps=1",
+            "train.eval_steps=1",
+        ],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MOE_LAYOUTS)
+def test_expert_parallel_trains_like_one_process(moe_reference, tmp_path, name):
+    # Experts split over 2 ranks, tokens exchanged by all-to-all on gloo; with dp_shard=4 the
+    # experts are also FSDP-sharded over the 2 ranks that hold the same ones.
+    cfg_file, one = moe_reference
+    nproc, overrides = MOE_LAYOUTS[name]
+    out = tmp_path / "ep"
+    launch(cfg_file, out, nproc, *overrides)
+    assert_same_run(one, out, cfg_file)
+    rec = [r for r in read_metrics(out) if "loss" in r][-1]
+    ref = [r for r in read_metrics(one) if "loss" in r][-1]
+    assert (rec["moe_tokens_min"], rec["moe_tokens_max"]) == (ref["moe_tokens_min"], ref["moe_tokens_max"])
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from ladle import distributed as dist
 from ladle.config.schema import ModelConfig, MoEConfig
@@ -38,7 +39,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """x (rows, dim) sorted by expert, `counts` (E,) rows per expert -> (rows, dim)."""
         # Weights are cast like autocast would cast a Linear's (grouped_mm is not on its op list).
-        wg, wu, wd = (w.to(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        # Under expert parallelism they are DTensors and x holds the rows of this rank's experts.
+        wg, wu, wd = (_local(w).to(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         if grouped:
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(grouped_mm(x, wg.transpose(-2, -1), offs)) * grouped_mm(x, wu.transpose(-2, -1), offs)
@@ -47,6 +49,10 @@ class Experts(nn.Module):
         for e, xe in enumerate(x.split(counts.tolist())):
             out.append(F.linear(F.silu(F.linear(xe, wg[e])) * F.linear(xe, wu[e]), wd[e]))
         return torch.cat(out)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

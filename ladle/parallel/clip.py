@@ -15,20 +15,22 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
-        return torch.zeros(())
-    # Group by mesh and placements: one foreach norm per kind, then the total over kinds.
+    # Grouped by mesh and placements (FSDP, TP and expert-parallel DTensors live on different
+    # meshes, and foreach ops take one kind at a time): a norm per group, then the total.
     groups: dict = {}
-    for g in grads:
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
+    for p in parameters:
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    if not groups:
+        return torch.zeros(())
     norms = []
-    for gs in groups.values():
-        n = torch.nn.utils.get_total_norm(gs, norm_type=2.0, foreach=True)
+    for params in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
     if math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

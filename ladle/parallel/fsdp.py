@@ -15,7 +15,12 @@ import torch.nn as nn
 from ladle.config.schema import ParallelConfig
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, p: ParallelConfig, precision_mode: str) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, dp_mesh, p: ParallelConfig, precision_mode: str, experts_mesh=None, dp_size: int = 1
+) -> nn.Module:
+    """experts_mesh: under expert parallelism, the data ranks that hold the same experts; the
+    experts are sharded over those alone, and their gradient, which all-to-all already gathered
+    from every rank's tokens, is divided by the whole data-parallel size like the others."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": dp_mesh}
@@ -28,6 +33,16 @@ def apply_fsdp(model: nn.Module, dp_mesh, p: ParallelConfig, precision_mode: str
     if p.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in model.layers:
+        if experts_mesh is not None:
+            experts = block.mlp.experts
+            fully_shard(
+                experts, reshard_after_forward=p.reshard_after_forward, **{**kwargs, "mesh": experts_mesh}
+            )
+            experts.set_gradient_divide_factor(float(dp_size))
+            # gloo has no PREMUL_SUM: divide, then sum. (Not on a 1-rank mesh, where torch 2.13's
+            # FSDP2 would then divide twice.)
+            if experts_mesh.device_type == "cpu" and experts_mesh.size() > 1:
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=p.reshard_after_forward, **kwargs)
     # The root holds the embedding, final norm and head; it is gathered for the whole step
     # anyway (the head runs last in forward, first in backward), so it is never resharded early.

@@ -12,7 +12,6 @@ in each process; it refuses what does not divide, with the arithmetic in the mes
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,9 @@ from ladle.config import LadleConfig
 from ladle.errors import ConfigError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# With expert parallelism the experts are split over `ep` of the dp_shard ranks (torchtitan's
+# layout): dp_shard is built as (dp_shard_mod_ep, ep) and flattened back for everything else.
+EP_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -111,11 +113,10 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
             errors.append(f"ep={lay.ep} on a dense model: expert parallelism needs model.moe")
         else:
             divides("ep", lay.ep, "moe.n_experts", m.moe.n_experts)
-        if (lay.dp_shard * lay.cp) % lay.ep:
+        if lay.dp_shard % lay.ep:
             errors.append(
-                f"ep={lay.ep} must divide dp_shard x cp = {lay.dp_shard * lay.cp} (it borrows those ranks)"
+                f"ep={lay.ep} must divide dp_shard={lay.dp_shard} (the experts are split over those ranks)"
             )
-        errors.append("ep > 1: expert parallelism is not built yet (issue 4 in progress)")
     if cfg.parallel.cpu_offload and not lay.fsdp:
         errors.append("parallel.cpu_offload needs FSDP (dp_shard > 1)")
     if errors:
@@ -135,9 +136,18 @@ class Parallel:
             return
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = tuple(getattr(layout, d) for d in DIMS)
-        self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
-        dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")  # private, but stable since torch 2.4
+        # _flatten is private, but stable since torch 2.4 (torchtitan builds its meshes with it).
+        if layout.ep > 1:
+            sizes = {**vars(layout), "dp_shard_mod_ep": layout.dp_shard // layout.ep}
+            self.mesh = init_device_mesh(
+                device.type, tuple(sizes[d] for d in EP_DIMS), mesh_dim_names=EP_DIMS
+            )
+            self.mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+            dp = self.mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+        else:
+            shape = tuple(getattr(layout, d) for d in DIMS)
+            self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
+            dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.dp_rank, self.dp_size, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
 
     def submesh(self, *names: str):
@@ -155,8 +165,3 @@ class Parallel:
 
             return loss_parallel()
         return contextlib.nullcontext()
-
-    @property
-    def replicas_per_sample(self) -> int:
-        """Ranks that see the same samples (a TP / PP / CP group): world / dp."""
-        return math.prod(getattr(self.layout, d) for d in ("tp", "pp", "cp"))

@@ -1,5 +1,5 @@
-"""Applies the layout to a model from outside, in torchtitan's order: tensor parallel first (it
-changes what the parameters are), activation checkpointing, compile per block, then FSDP2 over the data ranks (it
+"""Applies the layout to a model from outside, in torchtitan's order: tensor and expert parallel
+first (they change what the parameters are), activation checkpointing, compile per block, then FSDP2 over the data ranks (it
 wraps the DTensors TP made) or DDP for pure replication."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch.nn as nn
 from ladle.config import LadleConfig
 from ladle.parallel.ac import apply_ac
 from ladle.parallel.compile import compile_blocks
+from ladle.parallel.ep import apply_ep
 from ladle.parallel.fsdp import apply_ddp, apply_fsdp
 from ladle.parallel.mesh import Parallel
 from ladle.parallel.tp import apply_tp
@@ -19,13 +20,24 @@ def parallelize(model: nn.Module, par: Parallel, cfg: LadleConfig, device: torch
     lay = par.layout
     if lay.tp > 1:
         apply_tp(model, par.submesh("tp"))
+    if lay.ep > 1:
+        apply_ep(model, par.submesh("ep"))
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint, device)
     if cfg.train.compile:
         compile_blocks(model)
     if lay.fsdp:
         mesh = par.submesh("dp_replicate", "dp_shard") if lay.dp_replicate > 1 else par.submesh("dp_shard")
-        return apply_fsdp(model, mesh, cfg.parallel, cfg.precision.mode)
+        experts = None
+        if lay.ep > 1:
+            experts = (
+                par.submesh("dp_replicate", "dp_shard_mod_ep")
+                if lay.dp_replicate > 1
+                else par.submesh("dp_shard_mod_ep")
+            )
+        return apply_fsdp(
+            model, mesh, cfg.parallel, cfg.precision.mode, experts_mesh=experts, dp_size=par.dp_size
+        )
     if lay.dp > 1:
         return apply_ddp(model, device)
     return model
