@@ -339,3 +339,22 @@ def test_activation_checkpointing_recomputes_what_its_mode_says():
     assert every2["mm"] == none["mm"] + 2 * per_block_mm  # blocks 0 and 2
     assert op["mm"] == none["mm"] and op["rsqrt"] > none["rsqrt"]  # matmuls kept, norms redone
     assert full_bytes < every2_bytes < none_bytes
+
+
+@pytest.mark.slow
+def test_init_from_fills_each_ranks_shards_from_the_hf_folder(reference, tmp_path):
+    # The sharded model is built on the meta device and each rank reads its shards out of the
+    # Hugging Face files: the same losses as one process starting from that folder.
+    cfg_file, one = reference
+    hf = tmp_path / "hf"
+    assert main(["export", "hf", str(one), str(hf)]) == 0
+    common = [f"model.init_from={hf}", "train.max_steps=3", "scheduler.warmup_steps=1"]
+    assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={tmp_path / 'a'}", *common]) == 0
+    launch(cfg_file, tmp_path / "b", 2, "parallel.tp=2", "parallel.dp_shard=1", *common)
+    a = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "a") if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "b") if "loss" in r}
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for s in a:
+        assert b[s] == pytest.approx(a[s], abs=1e-5)
+    first = [r for r in read_metrics(one) if "loss" in r][0]["loss"]
+    assert a[1] < first - 0.1  # it did start from the trained weights, not from a fresh init

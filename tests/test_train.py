@@ -358,6 +358,14 @@ def test_init_from_refuses_a_conflicting_shape(tiny_config, tmp_path):
     _hf_checkpoint(tmp_path / "hf")
     tiny_config["model"] = {**tiny_config["model"], "init_from": str(tmp_path / "hf")}
     run(tiny_config, "train.max_steps=3", "train.eval_every=0")  # the same shape spelled out: fine
+    # head_dim written out as dim / n_heads (8) is the shape the checkpoint has too
+    run(
+        tiny_config,
+        "train.max_steps=3",
+        "train.eval_every=0",
+        "model.head_dim=8",
+        f"output_dir={tmp_path / 'hd'}",
+    )
     with pytest.raises(ConfigError, match=r"model.dim=48 \(config.json: 32\).*remove those keys"):
         run(tiny_config, "model.dim=48", f"output_dir={tmp_path / 'other'}")
     assert not (tmp_path / "other").exists()

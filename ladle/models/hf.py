@@ -476,10 +476,18 @@ def resolve_init_from(cfg: ModelConfig) -> ModelConfig:
     if not cfg.init_from:
         return cfg
     hf = read_hf_config(cfg.init_from)
+
+    def differs(f: str) -> bool:
+        if f == "head_dim":  # an explicit head_dim equal to dim / n_heads is the same shape
+            return cfg.head_size != hf.head_size
+        if f == "n_kv_heads":
+            return cfg.kv_heads != hf.kv_heads
+        return getattr(cfg, f) != getattr(hf, f)
+
     conflicts = [
         f"model.{f}={getattr(cfg, f)!r} (config.json: {getattr(hf, f)!r})"
         for f in sorted(cfg.model_fields_set)
-        if f not in (*FREE_WITH_INIT_FROM, "moe") and getattr(cfg, f) != getattr(hf, f)
+        if f not in (*FREE_WITH_INIT_FROM, "moe") and differs(f)
     ]
     moe = hf.moe
     if cfg.moe is not None and hf.moe is not None:  # the experts' shape is the checkpoint's,
@@ -534,41 +542,53 @@ def load_hf(path, *, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[
 def load_hf_weights(model: Llama, path) -> None:
     """Fill `model` (its own device and dtype) from the safetensors of a Hugging Face folder, tensor
     by tensor; every missing, unexpected or mis-shaped tensor is reported by name first."""
-    folder, cfg = Path(path), model.cfg
-    files = _weight_files(folder)
-    params = model.state_dict()
-    layout = hf_layout(cfg)
+    HFWeights(path, model.cfg).read_into(model.state_dict())
 
-    # Pass 1: headers only, so every problem is reported at once (by HF name) before any copying.
-    headers = {f: _read_header(f) for f in files}
-    found, where = {}, {}
-    for f, (_, header) in headers.items():
-        for hf_key, info in header.items():
-            if not (cfg.tie_embeddings and hf_key == "lm_head.weight"):
-                found[hf_key] = tuple(info["shape"])
-                where[hf_key] = f
-    _check_names_shapes(found, {k: shape for k, (_, _, shape) in layout.items()}, str(folder), where)
 
-    # Pass 2: plain positional reads (os.preadv) straight into the parameters when the dtype
-    # matches (else through one temporary tensor per tensor, cast by copy_). No mmap, so the
-    # file's pages never count as this process's memory: peak RSS is the model plus a few
-    # tensors. Most of the time is first-touching the freshly allocated parameters, which the
-    # kernel does in parallel, so the reads run on a few threads in chunks of READ_CHUNK bytes.
-    jobs = []
-    fds = {f: os.open(f, os.O_RDONLY) for f in files}
-    try:
-        for f, (data_start, header) in headers.items():
+class HFWeights:
+    """The safetensors of a Hugging Face folder, checked against a model config once (headers
+    only: every missing, unexpected or mis-shaped tensor is reported by HF name before anything is
+    read), then read into any subset of our parameters: all of them (`load_hf_weights`), or one
+    block at a time into full tensors that a sharded model takes its shards from."""
+
+    def __init__(self, path, cfg: ModelConfig):
+        folder = Path(path)
+        self.files = _weight_files(folder)
+        self.layout = hf_layout(cfg)
+        self.headers = {f: _read_header(f) for f in self.files}
+        found, self.where = {}, {}
+        for f, (_, header) in self.headers.items():
             for hf_key, info in header.items():
-                if where.get(hf_key) == f and hf_key in layout:
-                    ours, e, _ = layout[hf_key]
-                    dst = params[ours] if e is None else params[ours][e]
-                    jobs += _read_jobs(fds[f], f, data_start, info, dst)
-        with torch.no_grad(), ThreadPoolExecutor(min(READ_THREADS, os.cpu_count() or 1)) as pool:
-            for _ in pool.map(lambda job: job(), jobs):
-                pass
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+                if not (cfg.tie_embeddings and hf_key == "lm_head.weight"):
+                    found[hf_key] = tuple(info["shape"])
+                    self.where[hf_key] = f
+        _check_names_shapes(
+            found, {k: shape for k, (_, _, shape) in self.layout.items()}, str(folder), self.where
+        )
+
+    def read_into(self, params: dict[str, torch.Tensor]) -> None:
+        """Read the tensors of `params` (our names; CPU or accelerator tensors) from the files.
+
+        Plain positional reads (os.preadv) straight into each tensor when the dtype matches (else
+        through one temporary per tensor, cast by copy_). No mmap, so the file's pages never count
+        as this process's memory: peak RSS is the model plus a few tensors. Most of the time is
+        first-touching freshly allocated memory, which the kernel does in parallel, so the reads
+        run on a few threads in chunks of READ_CHUNK bytes."""
+        jobs = []
+        fds = {f: os.open(f, os.O_RDONLY) for f in self.files}
+        try:
+            for f, (data_start, header) in self.headers.items():
+                for hf_key, info in header.items():
+                    ours, e, _ = self.layout.get(hf_key, (None, None, None))
+                    if self.where.get(hf_key) == f and ours in params:
+                        dst = params[ours] if e is None else params[ours][e]
+                        jobs += _read_jobs(fds[f], f, data_start, info, dst)
+            with torch.no_grad(), ThreadPoolExecutor(min(READ_THREADS, os.cpu_count() or 1)) as pool:
+                for _ in pool.map(lambda job: job(), jobs):
+                    pass
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
 
 READ_THREADS = 4

@@ -330,20 +330,30 @@ class Llama(nn.Module):
     def init_weights(self):
         """normal(0, init_std) weights; o_proj/down_proj std / sqrt(2 * n_layers), since each layer adds
         two residual branches (GPT-2); norms 1, biases 0. Experts and routers alike."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, m in self.named_modules():
-            if isinstance(m, MoE):
-                init_moe(m, std, out_std)
-            elif isinstance(m, nn.Linear) and not name.endswith("mlp.gate"):
-                nn.init.normal_(m.weight, 0.0, out_std if name.endswith(("o_proj", "down_proj")) else std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, 0.0, std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        init_modules(self, self.cfg)
         self.init_buffers()
+
+
+@torch.no_grad()
+def init_modules(root: nn.Module, cfg: ModelConfig, prefix: str = "") -> None:
+    """The init of `Llama.init_weights` for `root` and its submodules, `root` being the module
+    named `prefix` in the model. The random draws follow named_modules' order, so initialising the
+    model's top-level parts one after another in that order gives the same weights as one call
+    on the whole model (the sharded start-up does that, ladle/parallel/init.py)."""
+    std = cfg.init_std
+    out_std = std / math.sqrt(2 * cfg.n_layers)
+    for sub, m in root.named_modules():
+        name = f"{prefix}.{sub}" if prefix and sub else prefix or sub
+        if isinstance(m, MoE):
+            init_moe(m, std, out_std)
+        elif isinstance(m, nn.Linear) and not name.endswith("mlp.gate"):
+            nn.init.normal_(m.weight, 0.0, out_std if name.endswith(("o_proj", "down_proj")) else std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, std)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
 
 
 def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False, active: bool = False) -> int:

@@ -48,6 +48,11 @@ class Layout:
         degree (DDP composes with nothing else); plain DDP for pure replication."""
         return self.dp_shard > 1 or (self.dp_replicate > 1 and self.world > self.dp_replicate)
 
+    @property
+    def sharded(self) -> bool:
+        """Some parameter is split over ranks (then the model is built on the meta device)."""
+        return self.fsdp or self.tp > 1 or self.ep > 1
+
     def describe(self) -> str:
         parts = [f"{d}={getattr(self, d)}" for d in (*DIMS, "ep") if getattr(self, d) > 1]
         kind = "FSDP2" if self.fsdp else "DDP" if self.dp > 1 else None

@@ -13,8 +13,9 @@ from ladle.config.checks import check_all
 from ladle.data.loader import BatchLayout, PackedSamples, PretrainLoader, eval_batch_count, eval_batches
 from ladle.data.prepare import open_split
 from ladle.models.hf import load_hf_weights, resolve_config
-from ladle.models.llama import build_model, count_params
+from ladle.models.llama import Llama, build_model, count_params
 from ladle.parallel.compile import eager
+from ladle.parallel.init import materialize
 from ladle.parallel.mesh import Layout, Parallel, check_layout
 from ladle.parallel.parallelize import gather_model, parallelize
 from ladle.train.loop import Trainer
@@ -33,12 +34,22 @@ def build_trainer(
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
-    # From init_from (or a checkpoint) every tensor is overwritten: skip the random init then.
-    model = build_model(cfg.model, device=device, dtype=param_dtype, init=not cfg.model.init_from)
-    if cfg.model.init_from and resume is None:  # a resumed run has its weights in the checkpoint
-        load_hf_weights(model, cfg.model.init_from)
-        run.events(f"weights from {cfg.model.init_from}")
-    model = parallelize(model, par, cfg, device)
+    hf = cfg.model.init_from if resume is None else None  # a resumed run's weights: its checkpoint
+    if par.layout.sharded:
+        # Laid out on the meta device, then each rank allocates and fills only its shards.
+        with torch.device("meta"):
+            model = Llama(cfg.model)
+        model.to(dtype=param_dtype)
+        model = parallelize(model, par, cfg, device)
+        materialize(model, cfg.model, device, param_dtype, hf_path=hf, fill=resume is None)
+    else:
+        # From init_from (or a checkpoint) every tensor is overwritten: skip the random init then.
+        model = build_model(cfg.model, device=device, dtype=param_dtype, init=not cfg.model.init_from)
+        if hf:
+            load_hf_weights(model, hf)
+        model = parallelize(model, par, cfg, device)
+    if hf:
+        run.events(f"weights from {hf}")
     n_params = count_params(cfg.model)
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     m = cfg.model
