@@ -48,7 +48,13 @@ def test_dp_shard_takes_the_rest(tiny_config):
         ({"tp": 3}, 8, r"tp=3 x pp=1 x cp=1 = 3 does not divide the world size 8"),
         ({"dp_shard": 2, "tp": 2}, 8, r"dp_shard=2 = 4, but the world size is 8; set parallel\.dp_shard=-1"),
         ({"tp": 4, "dp_shard": 1}, 4, r"tp=4 does not divide model\.n_kv_heads=2"),
-        ({"pp": 4, "dp_shard": 1}, 4, r"pp=4 stages for model\.n_layers=2 would leave a stage empty"),
+        (
+            {"pp": 4, "dp_shard": 1},
+            4,
+            r"pp=4 x 1 stages per rank \(1f1b\) = 4 stages for model\.n_layers=2 would leave a stage empty",
+        ),
+        ({"pp": 2, "dp_shard": 1, "pp_split": [2]}, 2, r"pp_split=\[2\] must be 1 increasing layer indices"),
+        ({"pp": 2, "dp_shard": 1, "pp_schedule": "zbv"}, 2, r"2 x 2 stages per rank \(zbv\) = 4 stages"),
         ({"ep": 2}, 2, r"ep=2 on a dense model: expert parallelism needs model\.moe"),
         ({"ep": 2, "dp_shard": 1, "dp_replicate": 2}, 2, r"ep=2 must divide dp_shard=1"),
         ({"cpu_offload": True, "dp_replicate": 2, "dp_shard": 1}, 2, r"cpu_offload needs FSDP"),
@@ -196,6 +202,47 @@ def test_layout_trains_like_one_process(reference, tmp_path, name):
     assert all(f"[rank {r}]" in events for r in range(nproc))
     card = json.loads((out / "run_card.json").read_text())
     assert card["world_size"] == nproc and card["final"]["sample"].startswith("def ")
+
+
+@pytest.fixture(scope="module")
+def deep_reference(tokenizer_dir, data_dir, tmp_path_factory):
+    """Four blocks, so that two stages per rank on two ranks each get one."""
+    return reference_run(tokenizer_dir, data_dir, tmp_path_factory.mktemp("deep"), {**QWEN3, "n_layers": 4})
+
+
+PP_LAYOUTS = {
+    **{
+        f"pp=2 {s}": (2, ["parallel.pp=2", "parallel.dp_shard=1", f"parallel.pp_schedule={s}"])
+        for s in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+    },
+    "pp=2 1f1b with a split after block 3": (
+        2,
+        ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_split=[3]"],
+    ),
+    "pp=2 x dp_shard=2": (4, ["parallel.pp=2", "parallel.dp_shard=2", "train.micro_batch_size=1"]),
+    "pp=2 x tp=2": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=1"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PP_LAYOUTS)
+def test_pipeline_trains_like_one_process(deep_reference, tmp_path, name):
+    # The step's two microbatches (grad_accum_steps) are the pipeline's; validation runs the
+    # stages forward in order.
+    cfg_file, one = deep_reference
+    nproc, overrides = PP_LAYOUTS[name]
+    out = tmp_path / "pp"
+    launch(cfg_file, out, nproc, *overrides)
+    assert_same_run(one, out, cfg_file)
+
+
+def test_pipeline_stages_split_the_layers():
+    from ladle.parallel.pp import stage_bounds, stage_ids
+
+    assert stage_bounds(10, 4, None) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert stage_bounds(10, 2, [7]) == [(0, 7), (7, 10)]
+    assert stage_ids(0, 2, "1f1b") == [0] and stage_ids(1, 2, "interleaved_1f1b") == [1, 3]
+    assert stage_ids(0, 2, "zbv") == [0, 3] and stage_ids(1, 2, "zbv") == [1, 2]  # the V
 
 
 MOE_LAYOUTS = {

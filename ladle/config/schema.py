@@ -218,6 +218,12 @@ class ParallelConfig(Section):
     pp: int = Field(1, ge=1, description="pipeline stages")
     cp: int = Field(1, ge=1, description="context parallel (sequence sharding)")
     ep: int = Field(1, ge=1, description="expert parallel (MoE models)")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = Field(
+        "1f1b", description="pipeline schedule; the interleaved ones and zbv put two stages on each rank"
+    )
+    pp_split: list[int] | None = Field(
+        None, description="layer indices where stages 1, 2, ... begin; null: as even as can be"
+    )
     reshard_after_forward: bool = Field(
         True,
         description="FSDP: free the gathered weights after forward (less memory, another all-gather in backward)",

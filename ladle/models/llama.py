@@ -277,7 +277,7 @@ class Llama(nn.Module):
         doc_ids (B, T): packed documents; a token attends only to earlier tokens with the same id.
         cache: generation; this call's keys are appended to it (doc_ids default to 1 there).
         """
-        B, T = tokens.shape
+        B, T = tokens.shape[:2]  # (B, T), or (B, T, dim) hidden states at a pipeline stage
         start = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
@@ -296,22 +296,32 @@ class Llama(nn.Module):
             if mask.mixed:  # rows without a boundary first (see PackedMask)
                 tokens, positions = tokens[mask.order], positions[mask.order]
 
-        x = self.embed_tokens(tokens)  # (B, T, dim)
+        # A pipeline stage after the first has no embedding: its input is the hidden states.
+        x = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, T, dim)
         cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, head_dim) each
         router_stats = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in self.blocks():
             x, router = layer(x, cos, sin, mask, cache, i)
             if router is not None:
                 router_stats.append(router)
         self.router_stats = router_stats
         if isinstance(mask, PackedMask) and mask.mixed:
             x = x[torch.argsort(mask.order)]  # back to the caller's row order
+        if self.norm is None:  # a pipeline stage before the last hands its hidden states on
+            return x
         x = self.norm(x)
         if cache is not None:
             cache.length += T
         if self.cfg.tie_embeddings:
             return F.linear(x, self.embed_tokens.weight)  # (B, T, vocab)
         return self.lm_head(x)  # (B, T, vocab)
+
+    def blocks(self):
+        """(index, block) pairs. A pipeline stage keeps a slice of the blocks in an nn.ModuleDict
+        keyed by their index in the whole model, so parameter names stay the model's."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return ((int(k), b) for k, b in self.layers.items())
+        return enumerate(self.layers)
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
         """An empty KV cache; device and dtype default to the model's parameters."""
@@ -324,7 +334,7 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_buffers(self):
         """(Re)compute the RoPE frequencies in fp32 on the parameters' device (after to_empty or .to(dtype))."""
-        self.rotary_emb.inv_freq = rope_inv_freq(self.cfg, device=self.embed_tokens.weight.device)
+        self.rotary_emb.inv_freq = rope_inv_freq(self.cfg, device=next(self.parameters()).device)
 
     @torch.no_grad()
     def init_weights(self):

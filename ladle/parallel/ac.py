@@ -37,7 +37,7 @@ def _keep_matmuls(ctx, op, *args, **kwargs):
 
 
 def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig, device: torch.device) -> None:
-    for i, block in enumerate(model.layers):
+    for i, block in model.blocks():
         forward = block.forward
         if cfg.mode == "full" or (
             cfg.mode == "selective" and cfg.selective != "op" and i % cfg.selective == 0

@@ -15,7 +15,7 @@ import torch
 
 
 def compile_blocks(model: torch.nn.Module) -> None:
-    for block in model.layers:
+    for _, block in model.blocks():
         block.compile()
 
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> None:
-    for block in model.layers:
+    for _, block in model.blocks():
         experts = block.mlp.experts
         distribute_module(experts, ep_mesh, _shard_experts, input_fn=_dispatch, output_fn=_combine)
 

@@ -32,7 +32,7 @@ def apply_fsdp(
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     if p.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in model.layers:
+    for _, block in model.blocks():
         if experts_mesh is not None:
             experts = block.mlp.experts
             fully_shard(

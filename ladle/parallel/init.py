@@ -34,10 +34,12 @@ def materialize(
 ) -> None:
     """Storage for this rank's shards, filled from `hf_path` or the seeded init (fill=False: left
     empty, for a checkpoint to overwrite)."""
-    model.to_empty(device=device)
-    model.init_buffers()
+    for part in getattr(model, "parts", [model]):  # a pipeline stage's RankModel: its parts
+        part.to_empty(device=device)
+        part.init_buffers()
     if not fill:
         return
+    here = set(model.state_dict())
     with torch.device("meta"):
         ghost = Llama(cfg)  # pristine names and shapes, no storage
     weights = None
@@ -51,9 +53,13 @@ def materialize(
         names = {f"{prefix}.{k}": v for k, v in full.state_dict().items()}
         if weights is None:
             init_modules(full, cfg, prefix)
-        else:
+        elif any(k in here for k in names):
             weights.read_into(names)
-        set_model_state_dict(model, {k: v.to(dtype) for k, v in names.items()}, options=options)
+        # Every rank draws every part's init (the same random stream as one process), but takes
+        # only what it holds (pipeline stages hold some parts).
+        mine = {k: v.to(dtype) for k, v in names.items() if k in here}
+        if mine:
+            set_model_state_dict(model, mine, options=options)
         del full, names
 
 

@@ -105,9 +105,36 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
         if m.moe:
             errors.append("tp > 1 on an MoE model is not supported yet; shard it with dp_shard")
     if lay.pp > 1:
-        if m.n_layers < lay.pp:
-            errors.append(f"pp={lay.pp} stages for model.n_layers={m.n_layers} would leave a stage empty")
-        errors.append("pp > 1: pipeline parallelism is not built yet (issue 4 in progress)")
+        from ladle.parallel.pp import STAGES_PER_RANK
+
+        p = cfg.parallel
+        stages = lay.pp * STAGES_PER_RANK[p.pp_schedule]
+        if p.pp_split:
+            ok = len(p.pp_split) == stages - 1 and all(
+                a < b for a, b in zip([0, *p.pp_split], [*p.pp_split, m.n_layers], strict=True)
+            )
+            if not ok:
+                errors.append(
+                    f"parallel.pp_split={p.pp_split} must be {stages - 1} increasing layer indices between 0 "
+                    f"and model.n_layers={m.n_layers} ({stages} stages: pp={lay.pp} x "
+                    f"{STAGES_PER_RANK[p.pp_schedule]} per rank for {p.pp_schedule}), leaving no stage empty"
+                )
+        elif m.n_layers < stages:
+            errors.append(
+                f"pp={lay.pp} x {STAGES_PER_RANK[p.pp_schedule]} stages per rank ({p.pp_schedule}) = {stages} "
+                f"stages for model.n_layers={m.n_layers} would leave a stage empty"
+            )
+        if cfg.train.grad_accum_steps < lay.pp:
+            errors.append(
+                f"train.grad_accum_steps={cfg.train.grad_accum_steps} (the pipeline's microbatches) must be "
+                f"at least pp={lay.pp}"
+            )
+        if m.tie_embeddings:
+            errors.append(
+                "pp > 1 with model.tie_embeddings=true is not supported (the head is on another stage)"
+            )
+        if m.moe:
+            errors.append("pp > 1 on an MoE model is not supported yet (router losses of every stage)")
     if lay.cp > 1:
         divides("2 x cp", 2 * lay.cp, "max_seq_len", m.max_seq_len)
         if cfg.data.seq_len % (2 * lay.cp):
@@ -162,6 +189,16 @@ class Parallel:
         """Sum over the data-parallel ranks (the ranks that read different samples)."""
         if self.dp_size > 1:
             torch.distributed.all_reduce(t, group=self.dp_group)
+        return t
+
+    @property
+    def pp_group(self):
+        return self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+
+    def all_reduce_pp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the pipeline stages (only the last one has the loss)."""
+        if self.layout.pp > 1:
+            torch.distributed.all_reduce(t, group=self.pp_group)
         return t
 
     def loss_context(self):

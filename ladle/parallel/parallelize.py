@@ -48,6 +48,8 @@ def gather_model(model: nn.Module, cfg: LadleConfig, par: Parallel) -> nn.Module
     sample. Every rank must call it (the shards are gathered)."""
     if par.layout.world == 1:
         return model
+    if par.layout.pp > 1:
+        return None  # the stages live on other ranks: no end-of-run sample (yet)
     core = getattr(model, "module", model)  # DDP
     if not (par.layout.fsdp or par.layout.tp > 1):
         return core if torch.distributed.get_rank() == 0 else None
@@ -62,3 +64,16 @@ def gather_model(model: nn.Module, cfg: LadleConfig, par: Parallel) -> nn.Module
     plain = build_model(cfg.model, device="cpu", dtype=w.dtype, init=False)
     plain.load_state_dict(full)
     return plain.to(next(core.parameters()).device)
+
+
+def build_pipeline(model: nn.Module, par: Parallel, cfg: LadleConfig, device: torch.device):
+    """This rank's stages of a meta-device model, each laid out with the other degrees, and the
+    schedule that runs them: (RankModel of the parts, Pipeline)."""
+    from ladle.parallel.pp import STAGES_PER_RANK, Pipeline, RankModel, split_model, stage_bounds, stage_ids
+
+    p = cfg.parallel
+    n_stages = par.layout.pp * STAGES_PER_RANK[p.pp_schedule]
+    bounds = stage_bounds(cfg.model.n_layers, n_stages, p.pp_split)
+    stages = stage_ids(par.mesh["pp"].get_local_rank(), par.layout.pp, p.pp_schedule)
+    parts = [parallelize(part, par, cfg, device) for part in split_model(model, bounds, stages)]
+    return RankModel(parts), Pipeline(parts, stages, n_stages, cfg, par.pp_group, device)

@@ -37,7 +37,7 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             ),
         },
     )
-    for block in model.layers:
+    for _, block in model.blocks():
         plan = {
             "input_layernorm": SequenceParallel(),
             # Block.forward(x, cos, sin, mask, cache, layer): only x is sharded (by sequence).

@@ -17,7 +17,7 @@ from ladle.models.llama import Llama, build_model, count_params
 from ladle.parallel.compile import eager
 from ladle.parallel.init import materialize
 from ladle.parallel.mesh import Layout, Parallel, check_layout
-from ladle.parallel.parallelize import gather_model, parallelize
+from ladle.parallel.parallelize import build_pipeline, gather_model, parallelize
 from ladle.train.loop import Trainer
 from ladle.train.metrics import flops_per_token
 from ladle.train.run import RunDir, resolve_resume, throughput_summary
@@ -35,7 +35,15 @@ def build_trainer(
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
     hf = cfg.model.init_from if resume is None else None  # a resumed run's weights: its checkpoint
-    if par.layout.sharded:
+    pipeline = None
+    if par.layout.pp > 1:
+        # This rank's pipeline stages, each laid out like a model of its own (ladle/parallel/pp.py).
+        with torch.device("meta"):
+            model = Llama(cfg.model)
+        model.to(dtype=param_dtype)
+        model, pipeline = build_pipeline(model, par, cfg, device)
+        materialize(model, cfg.model, device, param_dtype, hf_path=hf, fill=resume is None)
+    elif par.layout.sharded:
         # Laid out on the meta device, then each rank allocates and fills only its shards.
         with torch.device("meta"):
             model = Llama(cfg.model)
@@ -61,7 +69,9 @@ def build_trainer(
     n_eval = eval_batch_count(val, layout, t.eval_steps)
     evaluate = (lambda: eval_batches(val, layout, t.eval_steps, device)) if n_eval else None
 
-    trainer = Trainer(cfg, run, model, loader, flops_per_token=fpt, eval_batches=evaluate, parallel=par)
+    trainer = Trainer(
+        cfg, run, model, loader, flops_per_token=fpt, eval_batches=evaluate, parallel=par, pipeline=pipeline
+    )
     run.events(
         f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"
         f"{', experts a token uses' if cfg.model.moe else ''}); "

@@ -104,9 +104,11 @@ class Trainer:
         eval_batches: Callable[[], Iterable[dict]] | None = None,
         loss_fn: Callable = causal_lm_loss,
         parallel: Parallel | None = None,
+        pipeline=None,  # ladle.parallel.pp.Pipeline: forward and backward run through its schedule
     ):
         self.cfg, self.run, self.model, self.loader = cfg, run, model, loader
         self.parallel = parallel or Parallel(Layout(), run.device)
+        self.pipeline = pipeline
         self.device = run.device
         self.loss_fn = loss_fn
         self.eval_batches = eval_batches
@@ -175,7 +177,13 @@ class Trainer:
         core = getattr(self.model, "module", self.model)  # unwrapped from DDP
         router = [] if moe else None  # per microbatch: (aux, z, tokens per expert (L, E))
         self.model.train()
-        for i, b in enumerate(micro):
+        if self.pipeline is not None:  # the schedule runs every microbatch's forward and backward
+            with par.loss_context(), self.precision.autocast():
+                loss_sum = par.all_reduce_pp(self.pipeline.run(micro, scale))
+            micro_loop = []
+        else:
+            micro_loop = micro
+        for i, b in enumerate(micro_loop):
             # A data-parallel wrapper all-reduces gradients on the last microbatch only.
             sync = i == len(micro) - 1 or not hasattr(self.model, "no_sync")
             with contextlib.nullcontext() if sync else self.model.no_sync(), par.loss_context():
@@ -196,7 +204,7 @@ class Trainer:
 
         self.precision.unscale(self.optimizer)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = float(clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = float(clip_grad_norm_(self.model.parameters(), clip, pp_group=par.pp_group))
         finite = math.isfinite(loss_val) and (math.isfinite(grad_norm) or self.precision.scaler is not None)
         if finite:
             stepped = self.precision.step(self.optimizer)
@@ -248,7 +256,10 @@ class Trainer:
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         for b in self.eval_batches():
             with self.parallel.loss_context(), self.precision.autocast():
-                loss_sum += self.loss_fn(self.model, b).double()
+                if self.pipeline is not None:
+                    loss_sum += self.parallel.all_reduce_pp(self.pipeline.run([b], 1.0, train=False)).double()
+                else:
+                    loss_sum += self.loss_fn(self.model, b).double()
             count += count_targets(b)
         self.parallel.all_reduce_dp(loss_sum)
         self.parallel.all_reduce_dp(count)

@@ -1,0 +1,185 @@
+"""Pipeline parallel with `torch.distributed.pipelining`: the model cut into stages by layers.
+
+The stages are copies of the (meta-device) model that keep only their blocks, in an
+nn.ModuleDict under their indices in the whole model (so parameter names stay the model's), the
+first with the embedding, the last with the final norm and head; `Llama.forward` runs whatever a
+part holds. Stages hand `(hidden, positions, doc_ids)` on, so every stage masks documents and
+applies RoPE like the whole model would.
+
+Each optimizer step's microbatches (`train.grad_accum_steps`) are the pipeline's microbatches.
+Schedules: `gpipe`, `1f1b` (one stage per rank), `interleaved_1f1b`, `interleaved_zb`
+(interleaved zero bubble) and `zbv` (zero bubble, V-shaped: rank r holds stages r and 2pp-1-r),
+two stages per rank. The loss of a microbatch is its cross-entropy sum times the step's
+1 / (target tokens of the global batch) factor, as in the loop, with the schedule's own
+gradient scaling off.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from ladle.config import LadleConfig
+from ladle.train.loss import IGNORE_INDEX, cross_entropy_sum
+
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2}
+
+
+def stage_bounds(n_layers: int, n_stages: int, split: list[int] | None) -> list[tuple[int, int]]:
+    """[start, end) layers of each stage: `split` (where stages 1.. begin) or as even as can be."""
+    if split:
+        starts = [0, *split]
+    else:
+        base, extra = divmod(n_layers, n_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(n_stages)]
+        starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return list(zip(starts, [*starts[1:], n_layers], strict=True))
+
+
+def stage_ids(rank: int, pp: int, schedule: str) -> list[int]:
+    if STAGES_PER_RANK[schedule] == 1:
+        return [rank]
+    if schedule == "zbv":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank, rank + pp]  # looped: interleaved schedules
+
+
+def split_model(model: nn.Module, bounds: list[tuple[int, int]], stages: list[int]) -> list[nn.Module]:
+    """This rank's parts of a meta-device model (one per stage it holds)."""
+    parts = []
+    last = len(bounds) - 1
+    for s in stages:
+        part = copy.deepcopy(model)
+        a, b = bounds[s]
+        part.layers = nn.ModuleDict({str(i): part.layers[i] for i in range(a, b)})
+        if s != 0:
+            part.embed_tokens = None
+        if s != last:
+            part.norm = None
+            part.lm_head = None
+        parts.append(part)
+    return parts
+
+
+class RankModel(nn.Module):
+    """All parts of this rank under the model's own names (embed_tokens, layers.N, norm,
+    lm_head): what the optimizer, clipping and checkpoints see. Not called itself."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = parts  # a plain list: not registered twice
+        layers = {}
+        for p in parts:
+            layers.update(p.layers.items())
+        self.layers = nn.ModuleDict(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
+        for name in ("embed_tokens", "norm", "lm_head"):
+            mod = next((getattr(p, name) for p in parts if getattr(p, name, None) is not None), None)
+            if mod is not None:
+                setattr(self, name, mod)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline-parallel model runs through its schedule (Pipeline.step)")
+
+
+class _Stage(nn.Module):
+    """Passes positions and doc_ids on to the next stage beside the hidden states."""
+
+    def __init__(self, part: nn.Module, last: bool):
+        super().__init__()
+        self.part, self.last = part, last
+
+    def forward(self, x, positions, doc_ids):
+        out = self.part(x, positions=positions, doc_ids=doc_ids)
+        return out if self.last else (out, positions, doc_ids)
+
+
+class Pipeline:
+    def __init__(self, parts, stages: list[int], n_stages: int, cfg: LadleConfig, pp_group, device):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.stages_ids, self.n_stages = stages, n_stages
+        self.first, self.last = 0 in stages, n_stages - 1 in stages
+        self.scale = 1.0
+
+        def build(n_micro: int, kind: str):
+            wrapped = [
+                PipelineStage(_Stage(p, s == n_stages - 1), s, n_stages, device, group=pp_group)
+                for p, s in zip(parts, stages, strict=True)
+            ]
+            return _schedule(kind, wrapped, n_micro, self._loss)
+
+        self.train_schedule = build(cfg.train.grad_accum_steps, cfg.parallel.pp_schedule)
+        # Validation runs the stages in order by hand (forward only, any placement: torch's
+        # zero-bubble V schedule has no forward-only mode).
+        self.modules = {s: _Stage(p, s == n_stages - 1) for p, s in zip(parts, stages, strict=True)}
+        pp = torch.distributed.get_world_size(pp_group)
+        self.owner = {s: r for r in range(pp) for s in stage_ids(r, pp, cfg.parallel.pp_schedule)}
+        self.group, self.rank = pp_group, torch.distributed.get_rank(pp_group)
+        self.hidden_len = cfg.data.seq_len // cfg.parallel.tp  # sequence parallel: a shard of it
+        self.dim = cfg.model.dim
+
+    def _loss(self, logits, targets):
+        return cross_entropy_sum(logits, targets, IGNORE_INDEX) * self.scale
+
+    def run(self, micro: list[dict], scale: float, *, train: bool = True) -> torch.Tensor:
+        """Forward (and backward) of the step's microbatches through the pipeline; the sum of
+        their token cross-entropies on the rank holding the last stage, 0 elsewhere."""
+        self.scale = scale
+        cat = {k: torch.cat([b[k] for b in micro]) for k in ("tokens", "positions", "doc_ids", "targets")}
+        args = (cat["tokens"], cat["positions"], cat["doc_ids"]) if self.first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": cat["targets"], "losses": losses} if self.last else {}
+        if not train:
+            return self._forward_only(cat)
+        self.train_schedule.step(*args, **kwargs)
+        if not losses:
+            return torch.zeros((), device=micro[0]["tokens"].device)
+        return torch.stack([x.detach().float() for x in losses]).sum() / scale  # the microbatches' CE sums
+
+    @torch.no_grad()
+    def _forward_only(self, b: dict) -> torch.Tensor:
+        out, dev = None, b["tokens"].device
+        for s in range(self.n_stages):
+            if self.owner[s] != self.rank:
+                continue
+            if s == 0:
+                inp = (b["tokens"], b["positions"], b["doc_ids"])
+            elif self.owner[s - 1] == self.rank:
+                inp = out
+            else:
+                B = b["tokens"].shape[0]
+                x = torch.empty(B, self.hidden_len, self.dim, device=dev)
+                pos, doc = torch.empty_like(b["positions"]), torch.empty_like(b["doc_ids"])
+                for t in (x, pos, doc):
+                    torch.distributed.recv(t, group=self.group, group_src=self.owner[s - 1])
+                inp = (x, pos, doc)
+            out = self.modules[s](*inp)
+            if s < self.n_stages - 1 and self.owner[s + 1] != self.rank:
+                x, pos, doc = out
+                for t in (x.float().contiguous(), pos, doc):
+                    torch.distributed.send(t, group=self.group, group_dst=self.owner[s + 1])
+        if self.owner[self.n_stages - 1] == self.rank:
+            return cross_entropy_sum(out, b["targets"], IGNORE_INDEX)
+        return torch.zeros((), device=dev)
+
+
+def _schedule(kind: str, stages, n_micro: int, loss_fn):
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    if kind in ("gpipe", "1f1b"):
+        cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+        return cls(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False)
+    cls = {
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "interleaved_zb": ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+    }[kind]
+    return cls(stages, n_micro, loss_fn=loss_fn, scale_grads=False)
