@@ -70,6 +70,11 @@ def cmd_validate(args) -> int:
 
         cfg = resolve_config(cfg)
         check_all(cfg)
+    if args.nproc:
+        from ladle.parallel.mesh import check_layout
+
+        lay = check_layout(cfg, args.nproc)
+        print(f"# layout for {args.nproc} processes: {lay.describe()}", file=sys.stderr)
     sys.stdout.write(to_yaml(cfg))
     print(f"# config hash: {config_hash(cfg)}", file=sys.stderr)
     return 0
@@ -271,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("validate", help="load, override and validate a config; print the resolved YAML")
     s.add_argument("--config", required=True)
     s.add_argument("--no-paths", action="store_true", help="check the schema only, not tokenizer and data")
+    s.add_argument(
+        "--nproc", type=int, default=0, help="also check the parallel layout for this many processes in all"
+    )
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_validate)
 

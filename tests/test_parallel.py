@@ -95,6 +95,15 @@ def test_cli_refuses_a_bad_layout_before_torchrun(tiny_config, tmp_path, capsys)
     assert not out.exists()
 
 
+def test_validate_checks_the_layout_for_a_world_size(tiny_config, tmp_path, capsys):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_config))
+    assert main(["validate", "--config", str(cfg_file), "--nproc", "8", "parallel.tp=2"]) == 0
+    assert "layout for 8 processes: dp_shard=4, tp=2 (FSDP2)" in capsys.readouterr().err
+    assert main(["validate", "--config", str(cfg_file), "--nproc", "8", "parallel.tp=4"]) == 2
+    assert "tp=4 does not divide model.n_kv_heads=2" in capsys.readouterr().err
+
+
 # -- layouts on gloo against one process ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference(tokenizer_dir, data_dir, tmp_path_factory):

@@ -5,8 +5,9 @@ Mesh dimensions, outermost first, as torchtitan orders them: `pp, dp_replicate, 
 machine). Data parallelism is `dp_replicate x dp_shard`: every data-parallel rank reads its own
 slice of each global batch; the ranks of one TP (or PP, CP) group read the same samples.
 
-`check_layout` runs before any process starts (`ladle run --nproc`, `ladle validate`) and again
-in each process; it refuses what does not divide, with the arithmetic in the message.
+`check_layout` runs before any process starts (`ladle run --nproc`, `ladle launch slurm`,
+`ladle validate --nproc N`) and again in each process; it refuses what does not divide, with the
+arithmetic in the message.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Applies the layout to a model from outside, in torchtitan's order: tensor and expert parallel
-first (they change what the parameters are), activation checkpointing, compile per block, then FSDP2 over the data ranks (it
-wraps the DTensors TP made) or DDP for pure replication."""
+first (they change what the parameters are), activation checkpointing, compile per block, then
+FSDP2 over the data ranks (it wraps the DTensors TP and EP made) or DDP for pure replication.
+Under pipeline parallelism each stage is laid out so (`build_pipeline`)."""
 
 from __future__ import annotations
 
