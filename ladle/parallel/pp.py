@@ -99,21 +99,14 @@ class Pipeline:
     def __init__(self, parts, stages: list[int], n_stages: int, cfg: LadleConfig, pp_group, device):
         from torch.distributed.pipelining import PipelineStage
 
-        self.stages_ids, self.n_stages = stages, n_stages
+        self.n_stages = n_stages
         self.first, self.last = 0 in stages, n_stages - 1 in stages
         self.scale = 1.0
-
-        def build(n_micro: int, kind: str):
-            wrapped = [
-                PipelineStage(_Stage(p, s == n_stages - 1), s, n_stages, device, group=pp_group)
-                for p, s in zip(parts, stages, strict=True)
-            ]
-            return _schedule(kind, wrapped, n_micro, self._loss)
-
-        self.train_schedule = build(cfg.train.grad_accum_steps, cfg.parallel.pp_schedule)
+        self.modules = {s: _Stage(p, s == n_stages - 1) for p, s in zip(parts, stages, strict=True)}
+        wrapped = [PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in self.modules.items()]
+        self.schedule = _schedule(cfg.parallel.pp_schedule, wrapped, cfg.train.grad_accum_steps, self._loss)
         # Validation runs the stages in order by hand (forward only, any placement: torch's
         # zero-bubble V schedule has no forward-only mode).
-        self.modules = {s: _Stage(p, s == n_stages - 1) for p, s in zip(parts, stages, strict=True)}
         pp = torch.distributed.get_world_size(pp_group)
         self.owner = {s: r for r in range(pp) for s in stage_ids(r, pp, cfg.parallel.pp_schedule)}
         self.group, self.rank = pp_group, torch.distributed.get_rank(pp_group)
@@ -133,7 +126,7 @@ class Pipeline:
         kwargs = {"target": cat["targets"], "losses": losses} if self.last else {}
         if not train:
             return self._forward_only(cat)
-        self.train_schedule.step(*args, **kwargs)
+        self.schedule.step(*args, **kwargs)
         if not losses:
             return torch.zeros((), device=micro[0]["tokens"].device)
         return torch.stack([x.detach().float() for x in losses]).sum() / scale  # the microbatches' CE sums
