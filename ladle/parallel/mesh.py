@@ -136,6 +136,10 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
             )
         if m.moe:
             errors.append("pp > 1 on an MoE model is not supported yet (router losses of every stage)")
+        if cfg.precision.mode == "fp16-mixed":
+            errors.append(
+                "pp > 1 with precision.mode=fp16-mixed is not supported (the schedule's backward is not loss-scaled); use bf16-mixed"
+            )
     if lay.cp > 1:
         divides("2 x cp", 2 * lay.cp, "max_seq_len", m.max_seq_len)
         if cfg.data.seq_len % (2 * lay.cp):

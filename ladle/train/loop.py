@@ -172,32 +172,12 @@ class Trainer:
         local = sum(count_targets(b) for b in micro)
         total = int(par.all_reduce_dp(torch.tensor([local], device=self.device)).item())
         scale = par.dp_size / max(total, 1)
-        loss_sum = torch.zeros((), device=self.device)
-        moe = self.cfg.model.moe
-        core = getattr(self.model, "module", self.model)  # unwrapped from DDP
-        router = [] if moe else None  # per microbatch: (aux, z, tokens per expert (L, E))
         self.model.train()
         if self.pipeline is not None:  # the schedule runs every microbatch's forward and backward
             with par.loss_context(), self.precision.autocast():
-                loss_sum = par.all_reduce_pp(self.pipeline.run(micro, scale))
-            micro_loop = []
+                loss_sum, router = par.all_reduce_pp(self.pipeline.run(micro, scale)), None
         else:
-            micro_loop = micro
-        for i, b in enumerate(micro_loop):
-            # A data-parallel wrapper all-reduces gradients on the last microbatch only.
-            sync = i == len(micro) - 1 or not hasattr(self.model, "no_sync")
-            with contextlib.nullcontext() if sync else self.model.no_sync(), par.loss_context():
-                with self.precision.autocast():
-                    loss = self.loss_fn(self.model, b)
-                    total_loss = loss * scale
-                    if moe:
-                        # Router losses are means: averaged over microbatches here and over
-                        # ranks by the data-parallel gradient average.
-                        stats = core.router_stats
-                        total_loss = total_loss + router_losses(stats, moe) / len(micro)
-                        router.append([torch.stack([s[j].detach().float() for s in stats]) for j in range(3)])
-                self.precision.scale(total_loss).backward()
-            loss_sum += loss.detach()
+            loss_sum, router = self._accumulate(micro, scale)
         loss_val = float(par.all_reduce_dp(loss_sum).item()) / max(total, 1)
         dev.synchronize(self.device)
         t_bwd = time.perf_counter()
@@ -225,6 +205,30 @@ class Trainer:
             "t_bwd": t_bwd,
             "router": router,
         }
+
+    def _accumulate(self, micro: list[dict], scale: float) -> tuple[torch.Tensor, list | None]:
+        """Forward and backward of each microbatch; (the sum of their token losses, the MoE
+        router statistics per microbatch or None)."""
+        par, moe = self.parallel, self.cfg.model.moe
+        core = getattr(self.model, "module", self.model)  # unwrapped from DDP
+        router = [] if moe else None  # per microbatch: (aux, z, tokens per expert (L, E))
+        loss_sum = torch.zeros((), device=self.device)
+        for i, b in enumerate(micro):
+            # A data-parallel wrapper all-reduces gradients on the last microbatch only.
+            sync = i == len(micro) - 1 or not hasattr(self.model, "no_sync")
+            with contextlib.nullcontext() if sync else self.model.no_sync(), par.loss_context():
+                with self.precision.autocast():
+                    loss = self.loss_fn(self.model, b)
+                    total_loss = loss * scale
+                    if moe:
+                        # Router losses are means: averaged over microbatches here and over
+                        # ranks by the data-parallel gradient average.
+                        stats = core.router_stats
+                        total_loss = total_loss + router_losses(stats, moe) / len(micro)
+                        router.append([torch.stack([s[j].detach().float() for s in stats]) for j in range(3)])
+                self.precision.scale(total_loss).backward()
+            loss_sum += loss.detach()
+        return loss_sum, router
 
     def check_finite(self, out: dict) -> None:
         """A non-finite loss is reported with its step and never reaches the weights: the update
