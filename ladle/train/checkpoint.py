@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -199,7 +200,9 @@ def load_model_weights(path: str | Path, model) -> None:
     """Only the model part of a training checkpoint (for generate / eval / export)."""
     msd = model.state_dict()
     try:
-        dcp.load({"model": msd}, checkpoint_id=str(path))
+        with warnings.catch_warnings():  # one process reading any layout's shards is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": msd}, checkpoint_id=str(path))
     except Exception as e:
         raise CheckpointError(f"could not load model weights from the checkpoint {path}: {e}") from e
     model.load_state_dict(msd)
