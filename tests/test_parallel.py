@@ -65,10 +65,10 @@ def test_layouts_that_do_not_fit_are_refused_with_the_arithmetic(tiny_config, pa
         check_layout(cfg_of(tiny_config, **parallel), world)
 
 
-def test_tp_with_tied_embeddings_is_refused_by_name(tiny_config):
-    cfg = cfg_of(tiny_config, tp=2)
+def test_pp_with_tied_embeddings_is_refused_by_name(tiny_config):
+    cfg = cfg_of(tiny_config, pp=2, dp_shard=1)
     cfg.model.tie_embeddings = True
-    with pytest.raises(ConfigError, match=r"tp > 1 with model\.tie_embeddings=true is not supported yet"):
+    with pytest.raises(ConfigError, match=r"pp > 1 with model\.tie_embeddings=true is not supported"):
         check_layout(cfg, 2)
 
 
@@ -211,6 +211,15 @@ def test_layout_trains_like_one_process(reference, tmp_path, name):
     assert all(f"[rank {r}]" in events for r in range(nproc))
     card = json.loads((out / "run_card.json").read_text())
     assert card["world_size"] == nproc and card["final"]["sample"].startswith("def ")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_tied_embeddings(tokenizer_dir, data_dir, tmp_path):
+    # The head reuses the vocabulary-sharded embedding matrix (Qwen2.5-0.5B, Llama-3.2-1B do).
+    cfg_file, one = reference_run(tokenizer_dir, data_dir, tmp_path, {**QWEN3, "tie_embeddings": True})
+    out = tmp_path / "tp"
+    launch(cfg_file, out, 2, "parallel.tp=2", "parallel.dp_shard=1")
+    assert_same_run(one, out, cfg_file)
 
 
 @pytest.fixture(scope="module")

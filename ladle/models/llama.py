@@ -257,6 +257,13 @@ def attention_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, start: int) -> torc
     return (causal[None] & same_doc)[:, None]  # (B, 1, T, S)
 
 
+class TiedHead(nn.Module):
+    """The output head of tied embeddings: logits from the embedding matrix."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -266,6 +273,8 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if not cfg.tie_embeddings:  # tied: the head reuses embed_tokens.weight, no separate key
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        else:
+            self.tied_head = TiedHead()  # no parameters: a module so that layouts can wrap it
         self.rotary_emb = RotaryEmbedding(cfg)
         self.router_stats: list[tuple[torch.Tensor, ...]] = []
         self.init_weights()  # free on the meta device; build_model initialises again after to_empty
@@ -313,7 +322,7 @@ class Llama(nn.Module):
         if cache is not None:
             cache.length += T
         if self.cfg.tie_embeddings:
-            return F.linear(x, self.embed_tokens.weight)  # (B, T, vocab)
+            return self.tied_head(x, self.embed_tokens.weight)  # (B, T, vocab)
         return self.lm_head(x)  # (B, T, vocab)
 
     def blocks(self):

@@ -98,11 +98,6 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
         divides("tp", lay.tp, "vocab_size", m.vocab_size)
         if cfg.data.seq_len % lay.tp:  # sequence parallel splits every sample's tokens
             errors.append(f"tp={lay.tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
-        if m.tie_embeddings:
-            errors.append(
-                "tp > 1 with model.tie_embeddings=true is not supported yet (the embedding and the "
-                "head would need one sharding); use dp_shard for this model"
-            )
         if m.moe:
             errors.append("tp > 1 on an MoE model is not supported yet; shard it with dp_shard")
     if lay.pp > 1:

@@ -26,17 +26,22 @@ from torch.distributed.tensor.parallel import (
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> None:
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(
-                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
-            ),
-        },
-    )
+    plan = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    }
+    if model.cfg.tie_embeddings:
+        # The head multiplies by the embedding matrix, which the lookup shards by vocabulary rows:
+        # with the sequence gathered first, the logits come out sharded by vocabulary like the
+        # untied head's, and the gradients of both uses land on the one sharded weight.
+        plan["tied_head"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=False
+        )
+    else:
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        )
+    parallelize_module(model, tp_mesh, plan)
     for _, block in model.blocks():
         plan = {
             "input_layernorm": SequenceParallel(),
