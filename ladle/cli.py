@@ -60,20 +60,25 @@ def cmd_cp(args) -> int:
     return 0
 
 
-def cmd_validate(args) -> int:
+def _checked(cfg, world: int = 0, paths: bool = True):
+    """(config, layout) as every process will see them: `init_from` resolved, tokenizer and data
+    checked (unless paths=False), and the parallel layout for `world` processes (when given), so
+    each refusal comes before anything starts."""
     from ladle.config.checks import check_all
-    from ladle.config.load import config_hash, load_config, to_yaml
+    from ladle.models.hf import resolve_config
+    from ladle.parallel.mesh import check_layout
 
-    cfg = load_config(args.config, args.overrides)
-    if not args.no_paths:
-        from ladle.models.hf import resolve_config
-
+    if paths:
         cfg = resolve_config(cfg)
         check_all(cfg)
-    if args.nproc:
-        from ladle.parallel.mesh import check_layout
+    return cfg, check_layout(cfg, world) if world else None
 
-        lay = check_layout(cfg, args.nproc)
+
+def cmd_validate(args) -> int:
+    from ladle.config.load import config_hash, load_config, to_yaml
+
+    cfg, lay = _checked(load_config(args.config, args.overrides), args.nproc, paths=not args.no_paths)
+    if lay is not None:
         print(f"# layout for {args.nproc} processes: {lay.describe()}", file=sys.stderr)
     sys.stdout.write(to_yaml(cfg))
     print(f"# config hash: {config_hash(cfg)}", file=sys.stderr)
@@ -86,13 +91,7 @@ def cmd_run(args) -> int:
     recipe = _recipe(args.recipe)
     cfg = load_config(args.config, args.overrides)
     if args.nproc > 1 or args.nnodes > 1:
-        from ladle.config.checks import check_all
-        from ladle.models.hf import resolve_config
-        from ladle.parallel.mesh import check_layout
-
-        # Fail here, once, before torchrun starts N processes.
-        check_all(cfg)
-        check_layout(resolve_config(cfg), args.nproc * args.nnodes)
+        _checked(cfg, args.nproc * args.nnodes)  # fail here, once, before torchrun starts N processes
         return _torchrun(args)
     status = recipe.run(cfg)
     return 0 if status in ("completed", "exit", "SIGTERM", "SIGINT") else 1
@@ -119,18 +118,12 @@ def _torchrun(args) -> int:
 
 
 def cmd_launch_slurm(args) -> int:
-    from ladle.config.checks import check_all
     from ladle.config.load import load_config
     from ladle.launch import write_sbatch
-    from ladle.models.hf import resolve_config
-    from ladle.parallel.mesh import check_layout
 
     _recipe(args.recipe)
     cfg = load_config(args.config, args.overrides)
-    if not args.no_paths:
-        check_all(resolve_config(cfg))
-    world = args.nodes * args.gpus_per_node
-    lay = check_layout(resolve_config(cfg) if not args.no_paths else cfg, world)
+    _, lay = _checked(cfg, args.nodes * args.gpus_per_node, paths=not args.no_paths)
     path = write_sbatch(
         recipe=args.recipe,
         config=args.config,

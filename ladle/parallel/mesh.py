@@ -51,8 +51,9 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        """Some parameter is split over ranks (then the model is built on the meta device)."""
-        return self.fsdp or self.tp > 1 or self.ep > 1
+        """Some parameter is split over ranks, or held by one stage only (then the model is built
+        on the meta device)."""
+        return self.fsdp or self.tp > 1 or self.ep > 1 or self.pp > 1
 
     def describe(self) -> str:
         parts = [f"{d}={getattr(self, d)}" for d in (*DIMS, "ep") if getattr(self, d) > 1]

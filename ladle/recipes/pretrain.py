@@ -36,19 +36,15 @@ def build_trainer(
     param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
     hf = cfg.model.init_from if resume is None else None  # a resumed run's weights: its checkpoint
     pipeline = None
-    if par.layout.pp > 1:
-        # This rank's pipeline stages, each laid out like a model of its own (ladle/parallel/pp.py).
-        with torch.device("meta"):
-            model = Llama(cfg.model)
-        model.to(dtype=param_dtype)
-        model, pipeline = build_pipeline(model, par, cfg, device)
-        materialize(model, cfg.model, device, param_dtype, hf_path=hf, fill=resume is None)
-    elif par.layout.sharded:
+    if par.layout.sharded:
         # Laid out on the meta device, then each rank allocates and fills only its shards.
         with torch.device("meta"):
             model = Llama(cfg.model)
         model.to(dtype=param_dtype)
-        model = parallelize(model, par, cfg, device)
+        if par.layout.pp > 1:  # this rank's stages, each laid out like a model of its own
+            model, pipeline = build_pipeline(model, par, cfg, device)
+        else:
+            model = parallelize(model, par, cfg, device)
         materialize(model, cfg.model, device, param_dtype, hf_path=hf, fill=resume is None)
     else:
         # From init_from (or a checkpoint) every tensor is overwritten: skip the random init then.
