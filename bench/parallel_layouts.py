@@ -28,6 +28,7 @@ LAYOUTS = {
     "ddp dp_replicate=2": (2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}),
     "fsdp dp_shard=2": (2, {"parallel.dp_shard": 2}),
     "tp=2": (2, {"parallel.tp": 2, "parallel.dp_shard": 1, "train.micro_batch_size": 2}),
+    "cp=2": (2, {"parallel.cp": 2, "parallel.dp_shard": 1, "train.micro_batch_size": 2}),
     "pp=2 1f1b": (2, {"parallel.pp": 2, "parallel.dp_shard": 1, "train.micro_batch_size": 2}),
     "pp=2 zbv": (
         2,
@@ -45,6 +46,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument(
+        "--layouts", nargs="*", default=list(LAYOUTS), help="a subset of the layouts (names as below)"
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from train_throughput import prepare_data
@@ -71,9 +75,8 @@ def main() -> None:
             "sample": {"prompt": ""},
         }
         (work / "c.yaml").write_text(yaml.safe_dump(cfg))
-        runs = [(name, False) for name in LAYOUTS] + (
-            [(name, True) for name in LAYOUTS] if args.compile else []
-        )
+        names = ["1 process", *(n for n in args.layouts if n != "1 process")]  # the baseline always
+        runs = [(name, False) for name in names] + ([(name, True) for name in names] if args.compile else [])
         for name, compiled in runs:
             nproc, over = LAYOUTS[name]
             out = work / f"run{len(res)}"

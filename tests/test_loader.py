@@ -29,6 +29,9 @@ def test_sample_targets_positions_and_documents():
     assert x["targets"].tolist() == [5, 6, 7, 8]
     assert x["positions"].tolist() == [4, 0, 1, 2]  # restart at the document start
     assert x["doc_ids"].tolist() == [0, 1, 1, 1]
+    # data.document_mask=false: one causal sequence, default positions 0.. in the model
+    y = PackedSamples(Stream([5, 3, 10]), seq_len=4, document_mask=False).get(1)
+    assert sorted(y) == ["targets", "tokens"] and y["tokens"].tolist() == [4, 5, 6, 7]
 
 
 def test_too_little_data_is_a_clear_error():

@@ -43,8 +43,20 @@ def check_pretrain_data(cfg: LadleConfig, tok) -> dict:
     return meta
 
 
-def check_all(cfg: LadleConfig) -> dict:
-    """Everything `ladle validate` and `ladle run` check beyond the schema; returns what they found."""
+# The data each recipe trains on (meta.json "task"; pretraining data has none).
+RECIPE_DATA = {"pretrain": "pretrain", "sft": "sft"}
+
+
+def check_all(cfg: LadleConfig, recipe: str | None = None) -> dict:
+    """Everything `ladle validate` and `ladle run` check beyond the schema; returns what they found.
+    With `recipe`, the data must also be the kind that recipe trains on."""
     tok = check_tokenizer(cfg)
     meta = check_pretrain_data(cfg, tok)
+    task = meta.get("task", "pretrain")
+    if recipe in RECIPE_DATA and task != RECIPE_DATA[recipe]:
+        how = "`ladle data prepare --task sft`" if recipe == "sft" else "`ladle data prepare` (no --task)"
+        raise DataError(
+            f"data.path {cfg.data.path} holds {task} data, but recipe {recipe} trains on {RECIPE_DATA[recipe]} "
+            f"data; prepare it with {how}, or use `ladle run {task}`"
+        )
     return {"tokenizer": tok, "meta": meta}

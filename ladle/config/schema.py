@@ -136,6 +136,19 @@ class DataConfig(Section):
     path: str = Field(..., description="folder written by `ladle data prepare`")
     seq_len: int = Field(512, ge=1)
     prefetch: int = Field(2, ge=1, description="batches prepared ahead in the background")
+    shared_read: bool = Field(
+        True,
+        description="ranks of one TP/CP/PP group: the first reads each step's batches and broadcasts "
+        "them, the others receive (false: each reads its own copy)",
+    )
+    packing: bool = Field(
+        True, description="SFT: several chats per row (each its own document); false: one chat per row, padded"
+    )
+    document_mask: bool = Field(
+        True,
+        description="packed documents attend only to themselves, with positions restarting at each; "
+        "false: plain causal attention over the whole sample",
+    )
 
 
 class OptimConfig(Section):
@@ -217,6 +230,11 @@ class ParallelConfig(Section):
     tp: int = Field(1, ge=1, description="tensor parallel (with sequence parallel and loss parallel)")
     pp: int = Field(1, ge=1, description="pipeline stages")
     cp: int = Field(1, ge=1, description="context parallel (sequence sharding)")
+    cp_attention: Literal["allgather", "ring"] = Field(
+        "allgather",
+        description="context parallel attention: all-gathered keys and values (any device, document "
+        "masks), or PyTorch's ring attention (CUDA, needs data.document_mask=false)",
+    )
     ep: int = Field(1, ge=1, description="expert parallel (MoE models)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = Field(
         "1f1b", description="pipeline schedule; the interleaved ones and zbv put two stages on each rank"

@@ -3,7 +3,8 @@
 A *sample* is `seq_len + 1` consecutive tokens of a split's token stream (inputs and the targets
 shifted by one); sample i starts at token i * seq_len, so every token is a target exactly once.
 Document boundaries inside a sample are kept as `doc_ids` (for the document-aware attention mask)
-and `positions` (RoPE positions that restart at each document).
+and `positions` (RoPE positions that restart at each document), unless `document_mask=False`
+(`data.document_mask`): then a sample is one causal sequence, as in many pretraining setups.
 
 The order is a function of (seed, epoch, global sample index) alone: global index g is sample
 `perm(seed, g // n)[g % n]`. Step s of training consumes global indices [s * G, (s + 1) * G) with G
@@ -30,8 +31,9 @@ from ladle.errors import DataError
 class PackedSamples:
     """Fixed-length samples over a TokenStream (`num_tokens`, `doc_starts`, `read(start, stop)`)."""
 
-    def __init__(self, stream, seq_len: int, name: str = "train"):
+    def __init__(self, stream, seq_len: int, name: str = "train", document_mask: bool = True):
         self.stream = stream
+        self.document_mask = document_mask
         self.seq_len = seq_len
         self.doc_starts = np.asarray(stream.doc_starts, dtype=np.int64)
         self.num_samples = max(0, (int(stream.num_tokens) - 1) // seq_len)
@@ -47,6 +49,8 @@ class PackedSamples:
     def get(self, i: int) -> dict[str, np.ndarray]:
         start = i * self.seq_len
         chunk = self.stream.read(start, start + self.seq_len + 1).astype(np.int64)  # (T + 1,)
+        if not self.document_mask:
+            return {"tokens": chunk[:-1], "targets": chunk[1:]}
         pos = np.arange(start, start + self.seq_len, dtype=np.int64)  # stream offsets of the inputs
         doc = np.searchsorted(self.doc_starts, pos, side="right") - 1  # (T,) document of each input
         return {
@@ -203,3 +207,50 @@ def eval_batches(samples: PackedSamples, layout: BatchLayout, steps: int, device
 
 def eval_batch_count(samples: PackedSamples, layout: BatchLayout, steps: int) -> int:
     return min(steps, len(samples) // (layout.micro_batch_size * layout.dp_world))
+
+
+class SharedLoader:
+    """The loader of a group of ranks that train on the same samples (the ranks of one TP, CP or
+    PP group): its first rank reads and broadcasts each step's microbatches, the others receive
+    them (as Megatron-LM's `broadcast_data`), so storage is read once per data-parallel rank.
+
+    `loader` is the group leader's PretrainLoader (None elsewhere); `keys` and `shape` describe
+    each microbatch so that the receivers can allocate it.
+    """
+
+    def __init__(self, loader, *, group, leader: int, keys, shape, n_micro: int, global_batch: int, device):
+        self.loader, self.group, self.leader = loader, group, leader
+        self.keys, self.shape, self.n_micro = tuple(keys), tuple(shape), n_micro
+        self.global_batch, self.device = global_batch, device
+        self.consumed_samples = 0
+        self.data_s = 0.0
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+        if self.loader is not None:
+            self.loader.load_state_dict(state)
+
+    def next(self) -> list[dict[str, torch.Tensor]]:
+        t0 = time.perf_counter()
+        if self.loader is not None:
+            batches = self.loader.next()
+        else:
+            batches = [
+                {k: torch.empty(self.shape, dtype=torch.long, device=self.device) for k in self.keys}
+                for _ in range(self.n_micro)
+            ]
+        # One collective for the whole step: the microbatches stacked, then split again.
+        flat = torch.stack([b[k] for b in batches for k in self.keys])
+        torch.distributed.broadcast(flat, src=self.leader, group=self.group)
+        parts = iter(flat.unbind(0))
+        batches = [{k: next(parts) for k in self.keys} for _ in range(self.n_micro)]
+        self.data_s = time.perf_counter() - t0
+        self.consumed_samples += self.global_batch
+        return batches
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()

@@ -147,7 +147,7 @@ class Attention(nn.Module):
             k, v = k.to(q.dtype), v.to(q.dtype)  # no-op unless the cache dtype differs (autocast)
         # Grouped-query attention (each kv head serves H/K query heads) is left to SDPA's
         # enable_gqa: no repeated copies of k/v, and no reduction of them in backward.
-        if isinstance(mask, PackedMask):
+        if mask is not None and not isinstance(mask, torch.Tensor):  # PackedMask, or the caller's
             return mask.attend(q, k, v)
         return sdpa(q, k, v, mask)
 
@@ -279,12 +279,14 @@ class Llama(nn.Module):
         self.router_stats: list[tuple[torch.Tensor, ...]] = []
         self.init_weights()  # free on the meta device; build_model initialises again after to_empty
 
-    def forward(self, tokens, positions=None, doc_ids=None, cache: KVCache | None = None):
+    def forward(self, tokens, positions=None, doc_ids=None, cache: KVCache | None = None, attention=None):
         """tokens (B, T) -> logits (B, T, vocab).
 
         positions (B, T): RoPE position of each token (default: 0.., or continuing after the cache).
         doc_ids (B, T): packed documents; a token attends only to earlier tokens with the same id.
         cache: generation; this call's keys are appended to it (doc_ids default to 1 there).
+        attention: an object whose `attend(q, k, v)` replaces the causal or document attention
+        (context parallelism passes one that joins the sequence's shards, ladle/parallel/cp.py).
         """
         B, T = tokens.shape[:2]  # (B, T), or (B, T, dim) hidden states at a pipeline stage
         start = cache.length if cache is not None else 0
@@ -298,6 +300,8 @@ class Llama(nn.Module):
                 doc_ids = torch.ones_like(tokens)
             cache.doc_ids[:, start : start + T] = doc_ids
             mask = attention_mask(doc_ids, cache.doc_ids[:, : start + T], start)  # (B, 1, T, start + T)
+        elif attention is not None:
+            mask = attention
         elif doc_ids is not None:
             # Packed documents: rows without a boundary keep the causal fast path (about half
             # the attention cost of an explicit mask); the others get the document mask.

@@ -3,7 +3,9 @@
 Mesh dimensions, outermost first, as torchtitan orders them: `pp, dp_replicate, dp_shard, cp, tp`
 (tensor parallel innermost, so its heavy collectives stay between neighbouring ranks, on one
 machine). Data parallelism is `dp_replicate x dp_shard`: every data-parallel rank reads its own
-slice of each global batch; the ranks of one TP (or PP, CP) group read the same samples.
+slice of each global batch; the ranks of one TP (or PP, CP) group read the same samples. The
+ranks of a CP group then split each sample's tokens (ladle/parallel/cp.py), so weights are
+sharded, and gradients averaged, over `dp_shard x cp` (torchtitan's `dp_shard_cp`).
 
 `check_layout` runs before any process starts (`ladle run --nproc`, `ladle launch slurm`,
 `ladle validate --nproc N`) and again in each process; it refuses what does not divide, with the
@@ -47,7 +49,7 @@ class Layout:
     def fsdp(self) -> bool:
         """FSDP2 whenever weights are sharded over data ranks, or data parallelism meets another
         degree (DDP composes with nothing else); plain DDP for pure replication."""
-        return self.dp_shard > 1 or (self.dp_replicate > 1 and self.world > self.dp_replicate)
+        return self.dp_shard * self.cp > 1 or (self.dp_replicate > 1 and self.world > self.dp_replicate)
 
     @property
     def sharded(self) -> bool:
@@ -97,7 +99,7 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
         if not m.moe:
             divides("tp", lay.tp, "ffn_dim", m.ffn_dim)
         divides("tp", lay.tp, "vocab_size", m.vocab_size)
-        if cfg.data.seq_len % lay.tp:  # sequence parallel splits every sample's tokens
+        if cfg.data.seq_len % lay.tp and lay.cp == 1:  # sequence parallel splits every sample's tokens
             errors.append(f"tp={lay.tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
         if m.moe:
             errors.append("tp > 1 on an MoE model is not supported yet; shard it with dp_shard")
@@ -137,10 +139,22 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
                 "pp > 1 with precision.mode=fp16-mixed is not supported (the schedule's backward is not loss-scaled); use bf16-mixed"
             )
     if lay.cp > 1:
-        divides("2 x cp", 2 * lay.cp, "max_seq_len", m.max_seq_len)
-        if cfg.data.seq_len % (2 * lay.cp):
-            errors.append(f"2 x cp={2 * lay.cp} does not divide data.seq_len={cfg.data.seq_len}")
-        errors.append("cp > 1: context parallelism is not built yet (issue 4 in progress)")
+        T = cfg.data.seq_len
+        if T % (2 * lay.cp):  # two chunks per rank (load balancing, ladle/parallel/cp.py)
+            errors.append(f"2 x cp={2 * lay.cp} does not divide data.seq_len={T}")
+        elif lay.tp > 1 and (T // lay.cp) % lay.tp:
+            errors.append(
+                f"tp={lay.tp} does not divide data.seq_len / cp = {T // lay.cp} (sequence parallel of each shard)"
+            )
+        if lay.pp > 1:
+            errors.append("cp > 1 with pp > 1 is not supported yet")
+        if lay.ep > 1:
+            errors.append("cp > 1 with ep > 1 is not supported yet")
+        if cfg.parallel.cp_attention == "ring" and cfg.data.document_mask:
+            errors.append(
+                "parallel.cp_attention=ring has no document mask; set data.document_mask=false or use "
+                "cp_attention=allgather"
+            )
     if lay.ep > 1:
         if not m.moe:
             errors.append(f"ep={lay.ep} on a dense model: expert parallelism needs model.moe")
@@ -158,13 +172,18 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
 
 
 class Parallel:
-    """The layout of this process: its mesh (None alone), its data-parallel rank and group, and
-    the loss context (tensor parallel computes the loss on vocab-sharded logits)."""
+    """The layout of this process: its mesh (None alone), its data-parallel rank and group (which
+    samples it reads), its loss group (the ranks whose tokens differ: data ranks x cp), the
+    sequence sharding of context parallelism, and the loss context (tensor parallel computes the
+    loss on vocab-sharded logits)."""
 
-    def __init__(self, layout: Layout, device: torch.device):
+    def __init__(self, layout: Layout, device: torch.device, cp_attention: str = "allgather"):
         self.layout = layout
         self.mesh = None
         self.dp_rank, self.dp_size, self.dp_group = 0, 1, None
+        self.loss_size, self.loss_group = 1, None
+        self.cp = None
+        self.shared_group, self.shared_rank, self.shared_leader = None, 0, 0  # see `shared`
         if layout.world == 1:
             return
         from torch.distributed.device_mesh import init_device_mesh
@@ -182,15 +201,42 @@ class Parallel:
             self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
             dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.dp_rank, self.dp_size, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
+        self.loss_size, self.loss_group = self.dp_size, self.dp_group
+        if layout.cp > 1:
+            from ladle.parallel.cp import ContextParallel
+
+            self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP's mesh
+            loss = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            self.loss_size, self.loss_group = loss.size(), loss.get_group()
+            self.cp = ContextParallel(self.mesh["cp"], cp_attention)
+        shared = [d for d in ("pp", "cp", "tp") if getattr(layout, d) > 1]
+        if shared:
+            m = (
+                self.mesh[shared[0]]
+                if len(shared) == 1
+                else self.mesh[tuple(shared)]._flatten("batch_shared")
+            )
+            self.shared_group, self.shared_rank = m.get_group(), m.get_local_rank()
+            self.shared_leader = torch.distributed.get_global_rank(self.shared_group, 0)
+
+    @property
+    def shared(self) -> str | None:
+        """The degrees whose ranks train on the same samples ('tp', 'pp x tp', ...), or None."""
+        names = [d for d in ("pp", "cp", "tp") if getattr(self.layout, d) > 1]
+        return " x ".join(names) or None
+
+    def shard_sequence(self, batch: dict) -> dict:
+        """This rank's part of each sample under context parallelism (else the batch itself)."""
+        return self.cp.shard(batch) if self.cp is not None else batch
+
+    def all_reduce_loss(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks whose tokens differ (token counts, loss sums)."""
+        if self.loss_size > 1:
+            torch.distributed.all_reduce(t, group=self.loss_group)
+        return t
 
     def submesh(self, *names: str):
         return self.mesh[names] if len(names) > 1 else self.mesh[names[0]]
-
-    def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks (the ranks that read different samples)."""
-        if self.dp_size > 1:
-            torch.distributed.all_reduce(t, group=self.dp_group)
-        return t
 
     @property
     def pp_group(self):

@@ -28,7 +28,8 @@ def parallelize(model: nn.Module, par: Parallel, cfg: LadleConfig, device: torch
     if cfg.train.compile:
         compile_blocks(model)
     if lay.fsdp:
-        mesh = par.submesh("dp_replicate", "dp_shard") if lay.dp_replicate > 1 else par.submesh("dp_shard")
+        shard = "dp_shard_cp" if lay.cp > 1 else "dp_shard"  # a CP group's ranks hold the same weights
+        mesh = par.submesh("dp_replicate", shard) if lay.dp_replicate > 1 else par.submesh(shard)
         experts = None
         if lay.ep > 1:
             experts = (

@@ -10,7 +10,14 @@ from ladle import device as dev
 from ladle import distributed as dist
 from ladle.config import LadleConfig
 from ladle.config.checks import check_all
-from ladle.data.loader import BatchLayout, PackedSamples, PretrainLoader, eval_batch_count, eval_batches
+from ladle.data.loader import (
+    BatchLayout,
+    PackedSamples,
+    PretrainLoader,
+    SharedLoader,
+    eval_batch_count,
+    eval_batches,
+)
 from ladle.data.prepare import open_split
 from ladle.models.hf import load_hf_weights, resolve_config
 from ladle.models.llama import Llama, build_model, count_params
@@ -23,11 +30,22 @@ from ladle.train.metrics import flops_per_token
 from ladle.train.run import RunDir, resolve_resume, throughput_summary
 
 
+def packed_samples(cfg: LadleConfig, split: str, found: dict) -> PackedSamples:
+    """Pretraining rows: `seq_len + 1` consecutive tokens of the split's token stream."""
+    return PackedSamples(open_split(cfg.data.path, split), cfg.data.seq_len, split, cfg.data.document_mask)
+
+
 def build_trainer(
-    cfg: LadleConfig, device: torch.device, found: dict, resume, par: Parallel | None = None
+    cfg: LadleConfig,
+    device: torch.device,
+    found: dict,
+    resume,
+    par: Parallel | None = None,
+    recipe: str = "pretrain",
+    samples=packed_samples,  # (cfg, split, found) -> rows with len() and get(i), as PackedSamples
 ) -> Trainer:
     par = par or Parallel(Layout(), device)
-    run = RunDir(cfg, device, recipe="pretrain", resume=resume)
+    run = RunDir(cfg, device, recipe=recipe, resume=resume)
     t = cfg.train
     # Each data-parallel rank reads its own slice of every global batch; a TP group shares one.
     layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, par.dp_rank, par.dp_size)
@@ -59,9 +77,23 @@ def build_trainer(
     m = cfg.model
     fpt = flops_per_token(n_no_embed, m.n_layers, m.n_heads, m.head_size, cfg.data.seq_len)
 
-    train = PackedSamples(open_split(cfg.data.path, "train"), cfg.data.seq_len, "train")
-    loader = PretrainLoader(train, layout, seed=cfg.seed, device=device, prefetch=cfg.data.prefetch)
-    val = PackedSamples(open_split(cfg.data.path, "val"), cfg.data.seq_len, "val")
+    train = samples(cfg, "train", found)
+    loader = None
+    if par.shared_rank == 0 or not cfg.data.shared_read:
+        loader = PretrainLoader(train, layout, seed=cfg.seed, device=device, prefetch=cfg.data.prefetch)
+    if par.shared and cfg.data.shared_read:  # one read per TP/CP/PP group, broadcast to the rest
+        loader = SharedLoader(
+            loader,
+            group=par.shared_group,
+            leader=par.shared_leader,
+            keys=tuple(train.get(0)),
+            shape=(t.micro_batch_size, cfg.data.seq_len),
+            n_micro=t.grad_accum_steps,
+            global_batch=layout.global_batch,
+            device=device,
+        )
+        run.events(f"batches read by the first rank of each {par.shared} group and broadcast to the others")
+    val = samples(cfg, "val", found)
     n_eval = eval_batch_count(val, layout, t.eval_steps)
     evaluate = (lambda: eval_batches(val, layout, t.eval_steps, device)) if n_eval else None
 
@@ -117,17 +149,19 @@ def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
     return s.prompt + tok.decode(out)
 
 
-def run(cfg: LadleConfig) -> str:
+def run(cfg: LadleConfig, recipe: str = "pretrain", samples=packed_samples) -> str:
+    """Trains a causal LM on `samples` (pretraining rows by default; the SFT recipe passes its
+    own) and writes the run card; returns the loop's status."""
     cfg = resolve_config(cfg)  # model.init_from: the shape comes from the checkpoint
-    found = check_all(cfg)  # tokenizer and data, before anything is written
+    found = check_all(cfg, recipe)  # tokenizer and data, before anything is written
     resume = resolve_resume(cfg)
     device = dev.pick_device(cfg.train.device, dist.local_rank())
     dev.set_device(device)
     dist.init(device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    par = Parallel(check_layout(cfg, dist.world_size()), device)
-    trainer = build_trainer(cfg, device, found, resume, par)
+    par = Parallel(check_layout(cfg, dist.world_size()), device, cfg.parallel.cp_attention)
+    trainer = build_trainer(cfg, device, found, resume, par, recipe, samples)
     run_dir = trainer.run
     status = trainer.fit()
     final = {"status": status, "step": trainer.step, "tokens_seen": trainer.tokens_seen}

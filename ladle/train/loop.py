@@ -58,7 +58,12 @@ class TrainingDiverged(RuntimeError):
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum (not mean) of the token cross-entropies; the loop divides by the global token count."""
-    logits = model(batch["tokens"], positions=batch.get("positions"), doc_ids=batch.get("doc_ids"))
+    logits = model(
+        batch["tokens"],
+        positions=batch.get("positions"),
+        doc_ids=batch.get("doc_ids"),
+        attention=batch.get("attention"),  # context parallelism's, with the batch's shard
+    )
     return cross_entropy_sum(logits, batch["targets"], IGNORE_INDEX)
 
 
@@ -167,18 +172,20 @@ class Trainer:
         # The loss is the sum over the real target tokens of the whole global batch divided by
         # their number, so the gradient does not depend on how the batch is split into
         # microbatches and ranks. Data-parallel wrappers (DDP, FSDP) average gradients over the
-        # data ranks, hence the factor dp; the ranks of a TP group share their samples.
+        # ranks whose tokens differ (the data ranks, times cp: context parallelism splits each
+        # sample's tokens), hence that factor; the ranks of a TP or PP group share their tokens.
         par = self.parallel
+        micro = [par.shard_sequence(b) for b in micro]
         local = sum(count_targets(b) for b in micro)
-        total = int(par.all_reduce_dp(torch.tensor([local], device=self.device)).item())
-        scale = par.dp_size / max(total, 1)
+        total = int(par.all_reduce_loss(torch.tensor([local], device=self.device)).item())
+        scale = par.loss_size / max(total, 1)
         self.model.train()
         if self.pipeline is not None:  # the schedule runs every microbatch's forward and backward
             with par.loss_context(), self.precision.autocast():
                 loss_sum, router = par.all_reduce_pp(self.pipeline.run(micro, scale)), None
         else:
             loss_sum, router = self._accumulate(micro, scale)
-        loss_val = float(par.all_reduce_dp(loss_sum).item()) / max(total, 1)
+        loss_val = float(par.all_reduce_loss(loss_sum).item()) / max(total, 1)
         dev.synchronize(self.device)
         t_bwd = time.perf_counter()
 
@@ -201,7 +208,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "finite": finite,
             "skipped": not stepped,
-            "tokens": sum(b["tokens"].numel() for b in micro) * par.dp_size,
+            "tokens": sum(b["tokens"].numel() for b in micro) * par.loss_size,
             "t_bwd": t_bwd,
             "router": router,
         }
@@ -259,14 +266,15 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         for b in self.eval_batches():
+            b = self.parallel.shard_sequence(b)
             with self.parallel.loss_context(), self.precision.autocast():
                 if self.pipeline is not None:
                     loss_sum += self.parallel.all_reduce_pp(self.pipeline.run([b], 1.0, train=False)).double()
                 else:
                     loss_sum += self.loss_fn(self.model, b).double()
             count += count_targets(b)
-        self.parallel.all_reduce_dp(loss_sum)
-        self.parallel.all_reduce_dp(count)
+        self.parallel.all_reduce_loss(loss_sum)
+        self.parallel.all_reduce_loss(count)
         if count.item() == 0:
             return None
         val = float(loss_sum / count)
