@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ladle.errors import LadleError
 
-RECIPES = {"pretrain": "ladle.recipes.pretrain"}
+RECIPES = {"pretrain": "ladle.recipes.pretrain", "sft": "ladle.recipes.sft"}
 
 
 def _recipe(name: str):
@@ -60,7 +60,7 @@ def cmd_cp(args) -> int:
     return 0
 
 
-def _checked(cfg, world: int = 0, paths: bool = True):
+def _checked(cfg, world: int = 0, paths: bool = True, recipe: str | None = None):
     """(config, layout) as every process will see them: `init_from` resolved, tokenizer and data
     checked (unless paths=False), and the parallel layout for `world` processes (when given), so
     each refusal comes before anything starts."""
@@ -70,7 +70,7 @@ def _checked(cfg, world: int = 0, paths: bool = True):
 
     if paths:
         cfg = resolve_config(cfg)
-        check_all(cfg)
+        check_all(cfg, recipe)
     return cfg, check_layout(cfg, world) if world else None
 
 
@@ -91,7 +91,9 @@ def cmd_run(args) -> int:
     recipe = _recipe(args.recipe)
     cfg = load_config(args.config, args.overrides)
     if args.nproc > 1 or args.nnodes > 1:
-        _checked(cfg, args.nproc * args.nnodes)  # fail here, once, before torchrun starts N processes
+        _checked(
+            cfg, args.nproc * args.nnodes, recipe=args.recipe
+        )  # fail here, once, before torchrun starts N processes
         return _torchrun(args)
     status = recipe.run(cfg)
     return 0 if status in ("completed", "exit", "SIGTERM", "SIGINT") else 1
@@ -123,7 +125,7 @@ def cmd_launch_slurm(args) -> int:
 
     _recipe(args.recipe)
     cfg = load_config(args.config, args.overrides)
-    _, lay = _checked(cfg, args.nodes * args.gpus_per_node, paths=not args.no_paths)
+    _, lay = _checked(cfg, args.nodes * args.gpus_per_node, paths=not args.no_paths, recipe=args.recipe)
     path = write_sbatch(
         recipe=args.recipe,
         config=args.config,
@@ -162,6 +164,33 @@ def cmd_tokenizer_train(args) -> int:
 def cmd_data_prepare(args) -> int:
     from ladle.data.prepare import prepare
 
+    if args.task == "sft":
+        from ladle.data.sft import prepare_sft
+
+        if args.format in ("text", "jsonl", "parquet"):
+            raise LadleError(
+                f"--format {args.format} is a file format; for --task sft name the record shape "
+                "(messages, sharegpt, alpaca) or leave it auto (files: jsonl or parquet)"
+            )
+        mask = "all" if args.train_on_prompt else "last_turn" if args.last_turn_only else args.mask
+        prepare_sft(
+            args.input,
+            tokenizer=args.tokenizer,
+            output=args.output,
+            fmt=args.format,
+            template=args.template,
+            mask=mask,
+            max_len=args.max_len,
+            overlong=args.overlong,
+            glob=args.glob,
+            exclude=args.exclude,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            strict=args.strict,
+        )
+        return 0
+    if args.format in ("messages", "sharegpt", "alpaca"):
+        raise LadleError(f"--format {args.format} is an SFT record shape; add --task sft")
     prepare(
         args.input,
         tokenizer=args.tokenizer,
@@ -175,6 +204,16 @@ def cmd_data_prepare(args) -> int:
         strict=args.strict,
         seed=args.seed,
     )
+    return 0
+
+
+def cmd_data_synth(args) -> int:
+    from ladle.data.synthetic import write_task
+
+    info = write_task(
+        args.task, args.output, train=args.train, val=args.val, seed=args.seed, max_digits=args.max_digits
+    )
+    print(f"{info['task']}: {info['train']} train and {info['val']} held-out chats in {info['path']}")
     return 0
 
 
@@ -195,6 +234,14 @@ def cmd_export_hf(args) -> int:
     return 0
 
 
+def cmd_export_peft(args) -> int:
+    from ladle.train.export import export_peft
+
+    out = export_peft(args.checkpoint, args.out)
+    print(f"PEFT adapter written to {out}")
+    return 0
+
+
 def cmd_eval(args) -> int:
     import json
 
@@ -202,6 +249,24 @@ def cmd_eval(args) -> int:
     from ladle.train.export import load_any_model
 
     model, tok = load_any_model(args.model, tokenizer=args.tokenizer)
+    if args.task == "generate":
+        from ladle.rewards import scorer
+        from ladle.train.task_eval import evaluate_generation
+
+        if tok is None:
+            raise LadleError(f"{args.model} has no tokenizer; pass --tokenizer")
+        result = evaluate_generation(
+            model,
+            tok,
+            args.data,
+            template=args.template,
+            score=scorer(args.scorer, args.answer_regex),
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            limit=args.limit,
+        )
+        print(json.dumps({"model": str(args.model), **result}))
+        return 0
     check_data_fits(args.data, tok, model.cfg.vocab_size)
     result = evaluate(
         model,
@@ -331,7 +396,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--input", nargs="+", required=True, metavar="PATH")
     d.add_argument("--glob", default=None)
     d.add_argument("--exclude", nargs="*", default=None, metavar="PATTERN")
-    d.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet"])
+    d.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "text", "jsonl", "parquet", "messages", "sharegpt", "alpaca"],
+        help="pretrain: the file format; sft: the record shape (messages, sharegpt, alpaca)",
+    )
+    d.add_argument("--task", default="pretrain", choices=["pretrain", "sft"])
+    d.add_argument("--template", default=None, help="sft: a built-in chat template (chatml, qwen, llama3)")
+    d.add_argument(
+        "--mask", default="assistant", choices=["assistant", "last_turn", "all"], help="sft: trained tokens"
+    )
+    d.add_argument("--train-on-prompt", action="store_true", help="sft: same as --mask all")
+    d.add_argument("--last-turn-only", action="store_true", help="sft: same as --mask last_turn")
+    d.add_argument("--max-len", type=int, default=4096, help="sft: longest sample, in tokens")
+    d.add_argument("--overlong", default="truncate", choices=["truncate", "drop"], help="sft: longer samples")
     d.add_argument("--text-field", default="text")
     d.add_argument("--tokenizer", required=True, metavar="DIR")
     d.add_argument("--output", required=True, metavar="DIR")
@@ -340,6 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--strict", action="store_true", help="stop at the first bad record")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=cmd_data_prepare)
+    d = dsub.add_parser("synth", help="write a small chat task with checkable answers (the SFT demo's data)")
+    d.add_argument("--task", default="addition", choices=["addition", "sort"])
+    d.add_argument("--output", required=True, metavar="DIR", help="gets train.jsonl and val.jsonl")
+    d.add_argument("--train", type=int, default=20000, help="train examples")
+    d.add_argument("--val", type=int, default=200, help="held-out examples (no prompt also in train)")
+    d.add_argument("--max-digits", type=int, default=3, help="addition: digits per operand")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(fn=cmd_data_synth)
     d = dsub.add_parser("inspect", help="counts, lengths and decoded samples of prepared data")
     d.add_argument("dir")
     d.add_argument("--samples", type=int, default=2)
@@ -355,12 +442,31 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     e.add_argument("--max-shard-gb", type=float, default=5.0)
     e.set_defaults(fn=cmd_export_hf)
+    e = esub.add_parser("peft", help="an adapter run's adapters as a PEFT folder (hf merges them instead)")
+    e.add_argument("checkpoint", help="a checkpoints/step_* folder or a run directory (its latest)")
+    e.add_argument("out")
+    e.set_defaults(fn=cmd_export_peft)
 
     s = sub.add_parser(
-        "eval", help="loss and perplexity of a checkpoint or Hugging Face folder on prepared data"
+        "eval",
+        help="loss and perplexity on prepared data, or (--task generate) the accuracy of greedy answers to chats",
     )
     s.add_argument("--model", required=True, help="a run directory, checkpoint or Hugging Face folder")
-    s.add_argument("--data", required=True, help="a folder made by `ladle data prepare` (or Megatron shards)")
+    s.add_argument(
+        "--data",
+        required=True,
+        help="loss: a folder made by `ladle data prepare` (or Megatron shards); generate: a chat jsonl",
+    )
+    s.add_argument("--task", default="loss", choices=["loss", "generate"])
+    s.add_argument(
+        "--template", default=None, help="generate: a built-in chat template instead of the tokenizer's"
+    )
+    s.add_argument(
+        "--scorer", default="exact", choices=["exact", "regex"], help="generate: how answers are compared"
+    )
+    s.add_argument("--answer-regex", default=None, help="generate: compare the first match (its first group)")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="generate")
+    s.add_argument("--limit", type=int, default=0, help="generate: the first N records (0: all)")
     s.add_argument("--split", default="val", choices=["train", "val"])
     s.add_argument("--seq-len", type=int, default=0, help="default: the model's max_seq_len, at most 1024")
     s.add_argument("--batch-size", type=int, default=8)

@@ -2,8 +2,10 @@
 
 `train_tokenizer` makes a GPT-2 style byte-level BPE: every byte is in the initial alphabet, so any
 text (any Unicode, any bytes decoded as UTF-8) encodes without an unknown token and decodes back
-exactly. Its special tokens come first: `<|bos|>` = 0, `<|eos|>` = 1, `<|pad|>` = 2; the 256 byte
-tokens follow, then the merges. Nothing is added by `encode`: callers place bos/eos themselves.
+exactly. Its special tokens come first: `<|bos|>` = 0, `<|eos|>` = 1, `<|pad|>` = 2, and the ChatML
+turn markers `<|im_start|>` = 3, `<|im_end|>` = 4; the 256 byte tokens follow, then the merges.
+Nothing is added by `encode`: callers place bos/eos themselves. The folder's chat template is
+ChatML (`ladle.data.chat.CHATML`), so a model pretrained with it can be finetuned on chats.
 
 The saved folder (`tokenizer.json` + `tokenizer_config.json`) loads with `load_tokenizer` and with
 `transformers.AutoTokenizer.from_pretrained`, which gives the same ids.
@@ -28,7 +30,8 @@ from ladle.data.sources import format_of, iter_documents, iter_files, no_files_m
 from ladle.errors import DataError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-SPECIAL_TOKENS = [BOS, EOS, PAD]  # ids 0, 1, 2 in a trained tokenizer
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0-4 in a trained tokenizer
 # When tokenizer_config.json does not say, the first of these names found in the vocabulary.
 FALLBACK_NAMES = {
     "bos": (BOS, "<s>", "<|begin_of_text|>", "<|endoftext|>"),
@@ -84,11 +87,14 @@ def train_tokenizer(
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
+    from ladle.data.chat import CHATML
+
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
         "pad_token": PAD,
+        "chat_template": CHATML,
         "model_max_length": model_max_length or NO_MAX_LENGTH,
         # Decoding must give back the text exactly, not "cleaned up" spaces before punctuation.
         "clean_up_tokenization_spaces": False,
@@ -144,6 +150,11 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and each token's (start, end) character span in `text`."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return e.ids, e.offsets
 
     @functools.cached_property
     def _fast(self) -> CachedBPE | None:

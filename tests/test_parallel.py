@@ -147,8 +147,8 @@ def write_config(tiny_config, path, model):
     return path
 
 
-def launch(cfg_file, out, nproc, *overrides):
-    cmd = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(cfg_file), "--nproc", str(nproc)]
+def launch(cfg_file, out, nproc, *overrides, recipe="pretrain"):
+    cmd = [sys.executable, "-m", "ladle", "run", recipe, "--config", str(cfg_file), "--nproc", str(nproc)]
     r = subprocess.run([*cmd, f"output_dir={out}", *overrides], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
@@ -418,13 +418,17 @@ def test_activation_checkpointing_recomputes_what_its_mode_says():
 
 
 @pytest.mark.slow
-def test_init_from_fills_each_ranks_shards_from_the_hf_folder(reference, tmp_path):
+@pytest.mark.parametrize("source", ["hf", "ladle"])
+def test_init_from_fills_each_ranks_shards(reference, tmp_path, source):
     # The sharded model is built on the meta device and each rank reads its shards out of the
-    # Hugging Face files: the same losses as one process starting from that folder.
+    # Hugging Face files, or DCP reshards a ladle checkpoint into them: the same losses as one
+    # process starting from the same weights.
     cfg_file, one = reference
-    hf = tmp_path / "hf"
-    assert main(["export", "hf", str(one), str(hf)]) == 0
-    common = [f"model.init_from={hf}", "train.max_steps=3", "scheduler.warmup_steps=1"]
+    init = one  # a run directory: its latest checkpoint's weights, not its optimizer or step
+    if source == "hf":
+        init = tmp_path / "hf"
+        assert main(["export", "hf", str(one), str(init)]) == 0
+    common = [f"model.init_from={init}", "train.max_steps=3", "scheduler.warmup_steps=1"]
     assert main(["run", "pretrain", "--config", str(cfg_file), f"output_dir={tmp_path / 'a'}", *common]) == 0
     launch(cfg_file, tmp_path / "b", 2, "parallel.tp=2", "parallel.dp_shard=1", *common)
     a = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "a") if "loss" in r}
@@ -434,6 +438,77 @@ def test_init_from_fills_each_ranks_shards_from_the_hf_folder(reference, tmp_pat
         assert b[s] == pytest.approx(a[s], abs=1e-5)
     first = [r for r in read_metrics(one) if "loss" in r][0]["loss"]
     assert a[1] < first - 0.1  # it did start from the trained weights, not from a fresh init
+
+
+@pytest.mark.slow
+def test_sft_trains_like_one_process_under_fsdp(tokenizer_dir, data_dir, tmp_path):
+    # Packed chats with their loss masks: FSDP over 2 ranks equals one process, per step.
+    task, sft_data = tmp_path / "task", tmp_path / "sft"
+    assert (
+        main(["data", "synth", "--task", "sort", "--output", str(task), "--train", "300", "--val", "4"]) == 0
+    )
+    prep = [
+        "data",
+        "prepare",
+        "--task",
+        "sft",
+        "--input",
+        str(task / "train.jsonl"),
+        "--tokenizer",
+        str(tokenizer_dir),
+    ]
+    assert main([*prep, "--output", str(sft_data), "--val-fraction", "0.2"]) == 0
+    cfg = make_tiny_config(tokenizer_dir, sft_data, tmp_path / "one")
+    cfg["sample"] = {"prompt": ""}
+    cfg_file = write_config(cfg, tmp_path / "c.yaml", QWEN3)
+    assert main(["run", "sft", "--config", str(cfg_file)]) == 0
+    launch(cfg_file, tmp_path / "fsdp", 2, "parallel.dp_shard=2", "train.micro_batch_size=1", recipe="sft")
+    ra = {r["step"]: r for r in read_metrics(tmp_path / "one") if "loss" in r}
+    rb = {r["step"]: r for r in read_metrics(tmp_path / "fsdp") if "loss" in r}
+    assert sorted(ra) == sorted(rb) == list(range(1, STEPS + 1))
+    for s in ra:
+        assert rb[s]["loss"] == pytest.approx(ra[s]["loss"], abs=1e-5), s
+        assert rb[s]["grad_norm"] == pytest.approx(ra[s]["grad_norm"], rel=1e-4), s
+
+
+LORA = {
+    "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "dora": True,
+}
+LORA_LAYOUTS = {
+    "fsdp dp_shard=2": (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"]),
+    "tp=2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tokenizer_dir, data_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora")
+    cfg = make_tiny_config(tokenizer_dir, data_dir, tmp / "one")
+    cfg["lora"] = LORA
+    cfg["optim"]["lr"] = 3e-2
+    cfg_file = write_config(cfg, tmp / "c.yaml", QWEN3)
+    assert main(["run", "pretrain", "--config", str(cfg_file)]) == 0
+    return cfg_file, tmp / "one"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LORA_LAYOUTS)
+def test_dora_adapters_train_like_one_process(lora_reference, tmp_path, name):
+    # DoRA on every linear of a frozen base: under FSDP the adapters are sharded with their block;
+    # under TP they are DTensors placed like their base layer (A replicated and B split for
+    # column-parallel layers, A split for row-parallel ones). Loss and gradient norm as one process.
+    cfg_file, one = lora_reference
+    nproc, overrides = LORA_LAYOUTS[name]
+    out = tmp_path / "par"
+    launch(cfg_file, out, nproc, *overrides)
+    ra = {r["step"]: r for r in read_metrics(one) if "loss" in r}
+    rb = {r["step"]: r for r in read_metrics(out) if "loss" in r}
+    assert sorted(ra) == sorted(rb) == list(range(1, STEPS + 1))
+    for s in ra:
+        assert rb[s]["loss"] == pytest.approx(ra[s]["loss"], abs=1e-5), s
+        assert rb[s]["grad_norm"] == pytest.approx(ra[s]["grad_norm"], rel=1e-4), s
+    assert ra[STEPS]["loss"] < ra[1]["loss"] - 0.03  # the adapters learn (on a random, frozen base)
 
 
 # -- context parallelism -----------------------------------------------------------------------

@@ -42,7 +42,8 @@ def test_train_writes_loadable_folder_with_special_tokens_first(trained):
     assert "model_max_length" in config
     tok = load_tokenizer(trained)
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2)
-    assert 259 < tok.vocab_size <= 400
+    assert (tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")) == (3, 4)  # ChatML markers
+    assert 261 < tok.vocab_size <= 400
     assert tok.hash == hashlib.sha256((trained / "tokenizer.json").read_bytes()).hexdigest()
     assert tok.path == trained
 
@@ -140,7 +141,7 @@ def test_train_errors(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     with pytest.raises(DataError, match=r"no input files found .* matching glob '\*\.py'"):
         train_tokenizer([str(tmp_path)], vocab_size=300, output=str(tmp_path / "t"), glob="*.py")
-    with pytest.raises(DataError, match="at least 259"):
+    with pytest.raises(DataError, match="at least 261"):
         train_tokenizer([str(tmp_path)], vocab_size=100, output=str(tmp_path / "t"))
     with pytest.raises(DataError, match="does not exist"):
         train_tokenizer([str(tmp_path / "missing")], vocab_size=300, output=str(tmp_path / "t"))
@@ -218,3 +219,14 @@ def test_cached_bpe_gives_the_library_ids(trained, tmp_path, kind):
         assert [fast.encode(t) for t in texts[:-2]] == library[:-2]
         assert fast.encode(texts[-1]) is None and fast.encode(texts[-2]) is None
         assert library[-1] == [tok.bos_id]
+
+
+def test_trained_folder_chats_as_transformers_does(trained):
+    # Its ChatML template, rendered and tokenized by transformers: the same ids, markers single tokens.
+    from transformers import AutoTokenizer
+
+    chat = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    ours = load_tokenizer(trained).apply_chat_template(chat)
+    theirs = AutoTokenizer.from_pretrained(trained).apply_chat_template(chat, tokenize=True)
+    theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs
+    assert ours == list(theirs) and ours[0] == 3 and ours.count(4) == 2

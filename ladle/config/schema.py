@@ -90,7 +90,8 @@ class ModelConfig(Section):
     moe: MoEConfig | None = Field(None, description="mixture of experts in every layer; None: dense")
     init_from: str | None = Field(
         None,
-        description="a Hugging Face model folder to start from: its config.json fills the shape, its weights the model",
+        description="a Hugging Face model folder, ladle checkpoint or run directory to start from: it gives "
+        "the shape and the weights (not the optimizer state or the step)",
     )
 
     @property
@@ -142,7 +143,8 @@ class DataConfig(Section):
         "them, the others receive (false: each reads its own copy)",
     )
     packing: bool = Field(
-        True, description="SFT: several chats per row (each its own document); false: one chat per row, padded"
+        True,
+        description="SFT: several chats per row (each its own document); false: one chat per row, padded",
     )
     document_mask: bool = Field(
         True,
@@ -290,6 +292,34 @@ class SampleConfig(Section):
     top_k: int = Field(50, ge=0)
 
 
+class LoRAConfig(Section):
+    """Low-rank adapters (ladle/models/lora.py): the base model frozen, only the adapters trained,
+    checkpointed and exported (PEFT's format), or merged into the base for export."""
+
+    rank: int = Field(8, ge=1, description="the adapters' rank r")
+    alpha: float = Field(16.0, gt=0, description="scaling alpha / r (rsLoRA: alpha / sqrt(r))")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    targets: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="linear modules to adapt, by name: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj",
+    )
+    rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
+    dora: bool = Field(
+        False, description="DoRA: a learned magnitude per output row on top of the low-rank direction"
+    )
+    quantize_base: Literal["none", "nf4"] = Field(
+        "none",
+        description="QLoRA: the frozen base's block linears stored in 4-bit NF4, dequantized per layer",
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _some_targets(cls, v):
+        if not v:
+            raise ValueError("name at least one linear module to adapt (e.g. [q_proj, v_proj])")
+        return v
+
+
 class LadleConfig(Section):
     output_dir: str = "runs/default"
     seed: int = 0
@@ -304,6 +334,7 @@ class LadleConfig(Section):
     parallel: ParallelConfig = ParallelConfig()
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     sample: SampleConfig = SampleConfig()
+    lora: LoRAConfig | None = Field(None, description="adapters instead of full finetuning; null: off")
 
     @model_validator(mode="after")
     def _check_cross(self):

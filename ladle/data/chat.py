@@ -15,6 +15,38 @@ from datetime import datetime
 
 from ladle.errors import DataError
 
+# Built-in templates (`ladle data prepare --task sft --template NAME`), for tokenizers without one
+# or to override it. Their markers must be single tokens of the vocabulary (prepare checks).
+CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen2.5's template without tool calls: a default system prompt, tool results as user turns.
+QWEN = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for message in messages %}{%- if message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Llama 3's template; tool results take Llama 3.1's `ipython` role.
+LLAMA3 = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+BUILTIN = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3}
+MARKERS = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "qwen": ("<|im_start|>", "<|im_end|>"),
+    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+}
+# Tokens that end an assistant turn in the templates above (generation stops at them too).
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>")
+
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 

@@ -201,3 +201,54 @@ def _read_parquet(path: Path, field: str) -> Iterator[Record]:
                 row += 1
     except pa.ArrowException as e:
         raise DataError(f"cannot read Parquet file {path} at row {row}: {e}") from e
+
+
+def iter_rows(
+    inputs: Iterable[str | os.PathLike],
+    *,
+    glob: str | None = None,
+    exclude: Iterable[str] | None = None,
+    skip: Iterable[str | os.PathLike] = (),
+) -> Iterator[tuple[str, dict | None, str | None]]:
+    """(source, object, None) for every jsonl line or Parquet row of `inputs` as a dict, or
+    (source, None, reason) for one that cannot be read; the reader of structured (SFT) records."""
+    for path in iter_files(inputs, glob, exclude, skip=skip):
+        kind = format_of(path)
+        if kind == "parquet":
+            yield from _parquet_rows(path)
+            continue
+        if kind != "jsonl":
+            yield f"{path}:1", None, "not a jsonl or Parquet file"
+            continue
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                source = f"{path}:{number}"
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    yield source, None, "invalid JSON"
+                    continue
+                if isinstance(obj, dict):
+                    yield source, obj, None
+                else:
+                    yield source, None, "not a JSON object"
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict | None, str | None]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataError(f"reading {path} needs pyarrow: pip install 'ladle[parquet]'") from e
+    import pyarrow as pa
+
+    try:
+        parquet = pq.ParquetFile(path)
+        row = 0
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for obj in batch.to_pylist():
+                yield f"{path}:row {row}", obj, None
+                row += 1
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"cannot read Parquet file {path}: {e}") from e

@@ -453,6 +453,28 @@ FREE_WITH_INIT_FROM = ("init_from", "init_std", "max_seq_len")
 MOE_FREE_WITH_INIT_FROM = ("aux_loss_weight", "z_loss_weight", "dispatch")
 
 
+def is_hf_folder(path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def read_init_config(path) -> ModelConfig:
+    """The model shape of what `model.init_from` names: a Hugging Face folder's config.json, or
+    the model section of a ladle checkpoint (or run directory, its latest checkpoint)."""
+    if is_hf_folder(path) or not Path(path).is_dir():
+        return read_hf_config(path)
+    from ladle.train.export import checkpoint_config, resolve_checkpoint
+
+    try:
+        ckpt = resolve_checkpoint(path)
+    except CheckpointError:
+        raise CheckpointError(
+            f"{path}: no config.json and no ladle checkpoint; model.init_from takes a Hugging Face model "
+            "folder, a ladle checkpoint or a run directory"
+        ) from None
+    model = {k: v for k, v in checkpoint_config(ckpt)["model"].items() if k != "init_from"}
+    return ModelConfig.model_validate(model)
+
+
 def read_hf_config(path) -> ModelConfig:
     """ModelConfig of a Hugging Face model folder's config.json."""
     folder = Path(path)
@@ -475,7 +497,7 @@ def resolve_init_from(cfg: ModelConfig) -> ModelConfig:
     stay the config's."""
     if not cfg.init_from:
         return cfg
-    hf = read_hf_config(cfg.init_from)
+    hf = read_init_config(cfg.init_from)
 
     def differs(f: str) -> bool:
         if f == "head_dim":  # an explicit head_dim equal to dim / n_heads is the same shape

@@ -164,6 +164,11 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
             errors.append(
                 f"ep={lay.ep} must divide dp_shard={lay.dp_shard} (the experts are split over those ranks)"
             )
+    if cfg.lora is not None and cfg.lora.quantize_base != "none" and lay.sharded:
+        errors.append(
+            "lora.quantize_base=nf4 (QLoRA) runs on one device or with dp_replicate (DDP); sharding an NF4 "
+            "base (FSDP, TP, PP) is not supported yet: use plain LoRA there"
+        )
     if cfg.parallel.cpu_offload and not lay.fsdp:
         errors.append("parallel.cpu_offload needs FSDP (dp_shard > 1)")
     if errors:

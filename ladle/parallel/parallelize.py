@@ -1,5 +1,6 @@
 """Applies the layout to a model from outside, in torchtitan's order: tensor and expert parallel
-first (they change what the parameters are), activation checkpointing, compile per block, then
+first (they change what the parameters are), LoRA adapters (`lora`), activation checkpointing,
+compile per block, then
 FSDP2 over the data ranks (it wraps the DTensors TP and EP made) or DDP for pure replication.
 Under pipeline parallelism each stage is laid out so (`build_pipeline`)."""
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ladle.config import LadleConfig
+from ladle.models.lora import apply_lora
 from ladle.parallel.ac import apply_ac
 from ladle.parallel.compile import compile_blocks
 from ladle.parallel.ep import apply_ep
@@ -23,6 +25,8 @@ def parallelize(model: nn.Module, par: Parallel, cfg: LadleConfig, device: torch
         apply_tp(model, par.submesh("tp"))
     if lay.ep > 1:
         apply_ep(model, par.submesh("ep"))
+    if cfg.lora is not None:  # on TP's DTensors (adapters placed like their base), before FSDP
+        apply_lora(model, cfg.lora, cfg.seed)
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint, device)
     if cfg.train.compile:
@@ -64,6 +68,8 @@ def gather_model(model: nn.Module, cfg: LadleConfig, par: Parallel) -> nn.Module
         return None
     w = next(iter(full.values()))
     plain = build_model(cfg.model, device="cpu", dtype=w.dtype, init=False)
+    if cfg.lora is not None:
+        apply_lora(plain, cfg.lora, cfg.seed)
     plain.load_state_dict(full)
     return plain.to(next(core.parameters()).device)
 

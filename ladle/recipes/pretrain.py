@@ -19,12 +19,16 @@ from ladle.data.loader import (
     eval_batches,
 )
 from ladle.data.prepare import open_split
-from ladle.models.hf import load_hf_weights, resolve_config
+from ladle.models.hf import is_hf_folder, load_hf_weights, resolve_config
 from ladle.models.llama import Llama, build_model, count_params
+from ladle.models.lora import init_adapters
+from ladle.models.nf4 import quantize_linears
 from ladle.parallel.compile import eager
 from ladle.parallel.init import materialize
 from ladle.parallel.mesh import Layout, Parallel, check_layout
 from ladle.parallel.parallelize import build_pipeline, gather_model, parallelize
+from ladle.train.checkpoint import load_model_weights
+from ladle.train.export import resolve_checkpoint
 from ladle.train.loop import Trainer
 from ladle.train.metrics import flops_per_token
 from ladle.train.run import RunDir, resolve_resume, throughput_summary
@@ -52,7 +56,12 @@ def build_trainer(
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
-    hf = cfg.model.init_from if resume is None else None  # a resumed run's weights: its checkpoint
+    # A resumed run's weights come from its checkpoint; an adapter run's checkpoints hold only the
+    # adapters, so its frozen base is loaded from init_from (or the seeded init) every time.
+    init = cfg.model.init_from if resume is None or cfg.lora else None
+    fresh = resume is None or cfg.lora is not None
+    hf = init if init and is_hf_folder(init) else None
+    ckpt = resolve_checkpoint(init) if init and not hf else None  # a ladle checkpoint's weights only
     pipeline = None
     if par.layout.sharded:
         # Laid out on the meta device, then each rank allocates and fills only its shards.
@@ -63,15 +72,28 @@ def build_trainer(
             model, pipeline = build_pipeline(model, par, cfg, device)
         else:
             model = parallelize(model, par, cfg, device)
-        materialize(model, cfg.model, device, param_dtype, hf_path=hf, fill=resume is None)
+        materialize(model, cfg.model, device, param_dtype, hf_path=hf, fill=fresh and ckpt is None)
+        if ckpt:  # DCP reshards any layout's checkpoint into this one
+            load_model_weights(ckpt, model, base_only=cfg.lora is not None)
+        if cfg.lora is not None:  # the adapters' init needs the base in place (DoRA: |W|)
+            for part in getattr(model, "parts", [model]):
+                init_adapters(part, cfg.seed)
     else:
         # From init_from (or a checkpoint) every tensor is overwritten: skip the random init then.
-        model = build_model(cfg.model, device=device, dtype=param_dtype, init=not cfg.model.init_from)
+        model = build_model(cfg.model, device=device, dtype=param_dtype, init=not init)
         if hf:
             load_hf_weights(model, hf)
-        model = parallelize(model, par, cfg, device)
-    if hf:
-        run.events(f"weights from {hf}")
+        elif ckpt:
+            load_model_weights(ckpt, model)
+        if cfg.lora is not None and cfg.lora.quantize_base == "nf4":
+            nf4, full = quantize_linears(model)
+            run.events(
+                f"QLoRA: the frozen base's block linears take {nf4 / 2**20:,.2f} MiB in NF4, "
+                f"{full / 2**20:,.2f} MiB in {param_dtype} ({full / nf4:.1f}x less)"
+            )
+        model = parallelize(model, par, cfg, device)  # adapters added (and initialised) here
+    if init:
+        run.events(f"weights from {ckpt or hf}")
     n_params = count_params(cfg.model)
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     m = cfg.model

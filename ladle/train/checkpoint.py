@@ -26,13 +26,21 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ladle import distributed as dist
 from ladle.config import CheckpointConfig
 from ladle.errors import CheckpointError
 
 STATE_FILE = "trainer_state.json"
+# Frozen parameters (the base of an adapter run) are not saved: they come from model.init_from.
+TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 
 def step_dir_name(step: int) -> str:
@@ -100,7 +108,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
         state = {"model": msd, "optim": osd}
         try:
             (tmp / "rng").mkdir(exist_ok=True)
@@ -175,7 +183,7 @@ class Checkpointer:
         """Fills model and optimizer in place from `path`; returns the trainer state dict."""
         path = Path(path)
         extra = read_trainer_state(path)
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
         state = {"model": msd, "optim": osd}
         try:
             dcp.load(state, checkpoint_id=str(path))
@@ -186,7 +194,9 @@ class Checkpointer:
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
-            options=StateDictOptions(strict=True),
+            # Not strict: the frozen base is not in the state (TRAINABLE). Every key that is was
+            # found in the checkpoint, or dcp.load above would have failed.
+            options=StateDictOptions(strict=False, ignore_frozen_params=True),
         )
         rng = path / "rng" / f"rank_{dist.rank():05d}.safetensors"
         if rng.is_file():
@@ -196,13 +206,22 @@ class Checkpointer:
         return extra
 
 
-def load_model_weights(path: str | Path, model) -> None:
-    """Only the model part of a training checkpoint (for generate / eval / export)."""
-    msd = model.state_dict()
+def load_model_weights(path: str | Path, model, *, base_only: bool = False) -> None:
+    """Only the model part of a training checkpoint, into a plain or laid-out model (DCP reshards
+    the saved layout into this one): for init_from, generate, eval and export. An adapter run's
+    checkpoint holds only the adapters: then the base must already be in `model`, and only its
+    trainable parameters are read. base_only: read a full checkpoint into the base of an adapted
+    model (its adapters left as they are)."""
+    adapters = bool(read_trainer_state(path).get("adapters_only"))
+    msd = get_model_state_dict(model, options=TRAINABLE if adapters else None)
+    if base_only:
+        msd = {k: v for k, v in msd.items() if ".lora_" not in k}
     try:
         with warnings.catch_warnings():  # one process reading any layout's shards is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": msd}, checkpoint_id=str(path))
     except Exception as e:
         raise CheckpointError(f"could not load model weights from the checkpoint {path}: {e}") from e
-    model.load_state_dict(msd)
+    # Not strict when part of the model is deliberately left out; dcp.load has found every key asked.
+    strict = not (adapters or base_only)
+    set_model_state_dict(model, msd, options=StateDictOptions(strict=strict, ignore_frozen_params=adapters))

@@ -140,6 +140,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "loss_scaler": self.precision.state_dict(),
             "config_hash": config_hash(self.cfg),
+            "adapters_only": self.cfg.lora is not None,  # the frozen base is not in the checkpoint
             "world_size": dist.world_size(),
             "time": time.time(),
         }

@@ -1,0 +1,68 @@
+"""Small chat tasks whose answers can be checked, generated from a seed: the SFT demo's data.
+
+`addition`: "What is 47 + 385?" -> "432". `sort`: "Sort these words alphabetically: pear fig
+apple" -> "apple fig pear". Each record is a `messages` chat (ladle/data/sft.py) whose last,
+assistant message is the reference answer; `ladle eval --task generate` scores a model on the
+held-out file by exact match.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from ladle.errors import DataError
+
+WORDS = (
+    "apple banana cherry grape lemon mango olive peach pear plum fig kiwi lime melon date "
+    "river stone cloud storm field ocean tiger eagle horse mouse snake whale zebra otter"
+).split()
+PHRASES = {
+    "addition": ("What is {a} + {b}?", "Add {a} and {b}.", "Compute {a} + {b}.", "{a} plus {b} equals?"),
+    "sort": ("Sort these words alphabetically: {w}", "Put in alphabetical order: {w}"),
+}
+TASKS = tuple(PHRASES)
+
+
+def make_example(task: str, rng: random.Random, max_digits: int = 3) -> dict:
+    """A chat, and under "key" what makes it the same problem however it is phrased."""
+    if task == "addition":
+        a = rng.randrange(10 ** rng.randint(1, max_digits))
+        b = rng.randrange(10 ** rng.randint(1, max_digits))
+        prompt, answer, key = rng.choice(PHRASES[task]).format(a=a, b=b), str(a + b), (a, b)
+    elif task == "sort":
+        words = rng.sample(WORDS, rng.randint(3, 5))
+        prompt, answer = rng.choice(PHRASES[task]).format(w=" ".join(words)), " ".join(sorted(words))
+        key = tuple(words)
+    else:
+        raise DataError(f"unknown synthetic task {task!r}; tasks are {', '.join(TASKS)}")
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+    return {"messages": messages, "key": key}
+
+
+def write_task(
+    task: str, output: str | Path, *, train: int, val: int, seed: int = 0, max_digits: int = 3
+) -> dict:
+    """`output/train.jsonl` and `output/val.jsonl`; no problem of val is in train, however phrased
+    (the same operands, or the same words in the same order)."""
+    if task not in TASKS:
+        raise DataError(f"unknown synthetic task {task!r}; tasks are {', '.join(TASKS)}")
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    seen, splits = set(), {"val": [], "train": []}
+    for split, n in (("val", val), ("train", train)):
+        tries = 0
+        while len(splits[split]) < n:
+            tries += 1
+            if tries > 20 * n + 1000:
+                raise DataError(f"task {task}: cannot draw {n} distinct {split} examples; ask for fewer")
+            ex = make_example(task, rng, max_digits)
+            if ex["key"] in seen:
+                continue
+            seen.add(ex["key"])
+            splits[split].append({"messages": ex["messages"]})
+    for split, rows in splits.items():
+        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"task": task, "train": train, "val": val, "path": str(out)}

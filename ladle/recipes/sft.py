@@ -1,0 +1,30 @@
+"""Supervised finetuning: next-token prediction on chats, trained on the tokens their loss mask
+marks (the assistant turns by default), from data prepared with `ladle data prepare --task sft`.
+
+The loop, layouts, checkpoints and metrics are pretraining's (ladle/recipes/pretrain.py); only
+the rows differ: chats packed into `data.seq_len` (or one per row, padded), their untrained
+targets ignored. Start from a Hugging Face folder or a ladle checkpoint with `model.init_from`.
+"""
+
+from __future__ import annotations
+
+from ladle.config import LadleConfig
+from ladle.data.packing import SFTSamples
+from ladle.data.sft import SFTSplit
+from ladle.recipes import pretrain
+
+
+def sft_samples(cfg: LadleConfig, split: str, found: dict) -> SFTSamples:
+    tok = found["tokenizer"]
+    return SFTSamples(
+        SFTSplit(cfg.data.path, split),
+        cfg.data.seq_len,
+        packing=cfg.data.packing,
+        seed=cfg.seed,
+        pad_id=tok.pad_id if tok.pad_id is not None else 0,
+        name=split,
+    )
+
+
+def run(cfg: LadleConfig) -> str:
+    return pretrain.run(cfg, recipe="sft", samples=sft_samples)

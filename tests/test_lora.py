@@ -1,0 +1,259 @@
+"""LoRA, rsLoRA and DoRA adapters: at init they leave the model unchanged, merged equals unmerged,
+only adapters train, adapter-only checkpoints resume exactly, and PEFT loads the exported adapter
+with the same logits (fp32, 1e-5)."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import make_tiny_config
+
+from ladle.cli import main
+from ladle.config.schema import LoRAConfig, ModelConfig
+from ladle.errors import ConfigError
+from ladle.models.llama import build_model
+from ladle.models.lora import LoRALinear, apply_lora, merge_lora
+from ladle.train.metrics import read_metrics
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOKENS = torch.tensor([[5, 17, 3, 88, 41, 2, 60, 7], [1, 9, 9, 30, 72, 11, 4, 0]])
+VARIANTS = {
+    "lora": {"targets": ALL},
+    "rslora": {"targets": ["q_proj", "v_proj"], "rslora": True, "rank": 4, "alpha": 8},
+    "dora": {"targets": ALL, "dora": True},
+}
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+    return build_model(cfg)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_adapters_at_init_leave_the_model_unchanged_and_merge_exactly(variant):
+    model = tiny_model()
+    with torch.no_grad():
+        before = model(TOKENS)
+    apply_lora(model, LoRAConfig(**VARIANTS[variant]), seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), before, atol=1e-6, rtol=1e-6)  # B = 0, m = |W|
+        for m in model.modules():  # as if trained: every adapter moves the output
+            if isinstance(m, LoRALinear):
+                m.lora_B.weight.normal_(0, 0.3)
+                if m.use_dora:
+                    m.lora_magnitude_vector.mul_(torch.empty_like(m.lora_magnitude_vector).uniform_(0.5, 1.5))
+        adapted = model(TOKENS)
+    assert (adapted - before).abs().max() > 1e-2
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    merged = merge_lora(model)
+    assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+    assert set(merged.state_dict()) == set(tiny_model().state_dict())  # the base architecture again
+    with torch.no_grad():
+        torch.testing.assert_close(merged(TOKENS), adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_targets_that_match_nothing_are_named():
+    with pytest.raises(
+        ConfigError, match=r"no module named 'qproj' in this model; its linear modules are .*q_proj"
+    ):
+        apply_lora(tiny_model(), LoRAConfig(targets=["q_proj", "qproj"]))
+
+
+# -- runs --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base_hf(tmp_path_factory):
+    """A random Qwen2 (q/k/v biases) written by transformers, for the tiny tokenizer's 512 ids."""
+    import transformers as tf
+
+    config = tf.Qwen2Config(
+        vocab_size=512,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("base") / "hf"
+    tf.Qwen2ForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tokenizer_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora")
+    task, data = tmp / "task", tmp / "data"
+    assert (
+        main(["data", "synth", "--task", "sort", "--output", str(task), "--train", "300", "--val", "4"]) == 0
+    )
+    prep = [
+        "data",
+        "prepare",
+        "--task",
+        "sft",
+        "--input",
+        str(task / "train.jsonl"),
+        "--tokenizer",
+        str(tokenizer_dir),
+    ]
+    assert main([*prep, "--output", str(data), "--val-fraction", "0.2"]) == 0
+    return data
+
+
+def write_cfg(tmp_path, tokenizer_dir, sft_dir, base, lora, **train):
+    cfg = make_tiny_config(tokenizer_dir, sft_dir, tmp_path / "run")
+    cfg["model"] = {"init_from": str(base)}
+    cfg["data"]["seq_len"] = 64
+    cfg["optim"]["lr"] = 3e-2  # adapters move far in a few steps
+    cfg["train"].update({"max_steps": 6, "eval_steps": 1, "eval_every": 3, **train})
+    cfg["checkpoint"]["every"] = 3
+    cfg["sample"] = {"prompt": ""}
+    cfg["lora"] = lora
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(cfg))
+    return f
+
+
+def hf_logits(model):
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_peft_loads_the_exported_adapter_with_the_same_logits(
+    tokenizer_dir, sft_dir, base_hf, tmp_path, variant
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ladle.train.export import load_checkpoint_model
+
+    f = write_cfg(tmp_path, tokenizer_dir, sft_dir, base_hf, VARIANTS[variant])
+    run = tmp_path / "run"
+    assert main(["run", "sft", "--config", str(f)]) == 0
+    assert main(["export", "peft", str(run), str(tmp_path / "adapter")]) == 0
+    assert main(["export", "hf", str(run), str(tmp_path / "merged")]) == 0
+
+    ours, _, _ = load_checkpoint_model(run)
+    with torch.no_grad():
+        logits = ours(TOKENS)
+    base = AutoModelForCausalLM.from_pretrained(base_hf, dtype=torch.float32).eval()
+    base_logits = hf_logits(base)
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    torch.testing.assert_close(hf_logits(peft), logits, atol=1e-5, rtol=1e-5)
+    assert (logits - base_logits).abs().max() > 1e-3  # the adapters did learn something
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    torch.testing.assert_close(hf_logits(merged), logits, atol=1e-5, rtol=1e-5)
+    # only the adapters changed: the base weights are the folder's, bit for bit
+    from ladle.models.hf import load_hf
+
+    ref, _ = load_hf(base_hf)
+    base_sd = {k: v for k, v in ours.state_dict().items() if ".lora_" not in k}
+    for k, v in ref.state_dict().items():
+        assert torch.equal(base_sd[k], v), k
+
+
+def test_adapter_checkpoints_are_small_and_resume_exactly(tokenizer_dir, sft_dir, base_hf, tmp_path, capsys):
+    lora = VARIANTS["dora"]
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    assert main(["run", "sft", "--config", str(write_cfg(whole, tokenizer_dir, sft_dir, base_hf, lora))]) == 0
+    split = tmp_path / "split"
+    split.mkdir()
+    f = write_cfg(split, tokenizer_dir, sft_dir, base_hf, lora)
+    assert main(["run", "sft", "--config", str(f), "train.exit_at_step=3"]) == 0
+    assert main(["run", "sft", "--config", str(f), "train.resume=auto"]) == 0
+    a = [(r["step"], r["loss"]) for r in read_metrics(whole / "run") if "loss" in r]
+    b = [(r["step"], r["loss"]) for r in read_metrics(split / "run") if "loss" in r]
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 7))
+    for (_, x), (_, y) in zip(a, b, strict=True):
+        assert y == pytest.approx(x, abs=1e-6)
+    # the checkpoint holds the adapters and their optimizer state, not the base
+    ckpt = split / "run" / "checkpoints" / "step_00000006"
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys)
+    # weights + two AdamW moments of the adapters: well below a full checkpoint's three copies
+    size = sum(p.stat().st_size for p in ckpt.rglob("*.distcp"))
+    assert size < 3 * sum(p.stat().st_size for p in base_hf.glob("*.safetensors")) / 1.5
+    assert json.loads((ckpt / "trainer_state.json").read_text())["adapters_only"] is True
+    # ... so it cannot go onto a base of another shape: refused, the shapes named
+    import transformers as tf
+
+    other = tmp_path / "other"
+    config = tf.Qwen2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, use_sliding_window=False)  # fmt: skip
+    tf.Qwen2ForCausalLM(config).save_pretrained(other)
+    capsys.readouterr()
+    over = [f"model.init_from={other}", "train.max_steps=8", "train.resume=auto"]
+    assert main(["run", "sft", "--config", str(f), *over]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "cannot resume from" in err
+        and "step_00000006: its model differs in model.dim (32 there, 64 here)" in err
+    )
+
+
+# -- QLoRA ---------------------------------------------------------------------------------------
+def test_nf4_round_trip_is_within_its_stated_error():
+    from ladle.models.nf4 import LEVELS, NF4Weight
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 160) * 0.02
+    w[3, 7] = 0.5  # an outlier: its block's values are coarser, still within the bound
+    q = NF4Weight(w)
+    err = (q.dequantize() - w).abs()
+    assert (err <= q.max_error() + 1e-7).all()
+    assert err.mean() < 0.1 * w.abs().mean() * 2  # typical error, far below the bound
+    assert 4.1 < 8 * q.nbytes() / w.numel() < 4.2  # 4-bit indices + double-quantized block maxima
+    # values that are exactly levels of a block come back exactly
+    exact = torch.tensor(LEVELS * 4)[None].repeat(2, 1) * 0.3
+    torch.testing.assert_close(NF4Weight(exact).dequantize(), exact, atol=1e-6, rtol=0)
+
+
+def test_qlora_layers_stay_within_nf4s_error_of_the_base():
+    # Each quantized layer's output differs from the full-precision one by at most |x| . bound,
+    # the bound of every weight; the adapted model at init is the quantized base.
+    from ladle.models.nf4 import NF4Linear, quantize_linears
+
+    model = tiny_model()
+    ref = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    nf4, full = quantize_linears(model)
+    assert full / nf4 > 7  # fp32 -> 4.13 bits
+    x = torch.randn(5, 32)
+    for n, m in model.named_modules():
+        if isinstance(m, NF4Linear) and m.in_features == 32:
+            bound = x.abs() @ m.weight_nf4.max_error().T
+            assert ((m(x) - x @ ref[n].T).abs() <= bound + 1e-6).all(), n
+    assert not any(n.endswith("proj.weight") for n, _ in model.named_parameters())  # stored in NF4 instead
+    with torch.no_grad():
+        q_logits = model(TOKENS)
+    apply_lora(model, LoRAConfig(targets=ALL, dora=True))
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), q_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_qlora_run_trains_reports_its_memory_and_exports(tokenizer_dir, sft_dir, base_hf, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    f = write_cfg(tmp_path, tokenizer_dir, sft_dir, base_hf, {"targets": ALL, "quantize_base": "nf4"})
+    run = tmp_path / "run"
+    assert main(["run", "sft", "--config", str(f)]) == 0
+    rec = [r for r in read_metrics(run) if "loss" in r]
+    assert rec[-1]["loss"] < rec[0]["loss"]
+    assert "QLoRA: the frozen base's block linears take" in (run / "events.log").read_text()
+    assert main(["export", "peft", str(run), str(tmp_path / "adapter")]) == 0
+    base = AutoModelForCausalLM.from_pretrained(base_hf, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert torch.isfinite(hf_logits(peft)).all()  # on the full-precision base, as QLoRA adapters are used
+    # sharding an NF4 base is refused before anything starts
+    assert main(["run", "sft", "--config", str(f), "--nproc", "2", "parallel.dp_shard=2"]) == 2
