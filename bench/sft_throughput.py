@@ -73,26 +73,6 @@ def ladle_run(tok, data, out, steps, warmup, lora: bool) -> float:
     return statistics.median([r["tokens_per_s"] for r in read_metrics(out) if "tokens_per_s" in r][warmup:])
 
 
-def hf_model():
-    import transformers
-
-    m = BENCH_30M
-    config = transformers.LlamaConfig(
-        vocab_size=m["vocab_size"],
-        hidden_size=m["dim"],
-        num_hidden_layers=m["n_layers"],
-        num_attention_heads=m["n_heads"],
-        num_key_value_heads=m["n_kv_heads"],
-        intermediate_size=m["ffn_dim"],
-        max_position_embeddings=m["max_seq_len"],
-        tie_word_embeddings=m["tie_embeddings"],
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
-    return model
-
-
 def hf_run(data, out, steps, warmup, lora: bool) -> float:
     import transformers
     from torch.utils.data import Dataset
@@ -114,7 +94,9 @@ def hf_run(data, out, steps, warmup, lora: bool) -> float:
                 "position_ids": torch.from_numpy(r["positions"]),
             }
 
-    model = hf_model()
+    from train_throughput import hf_bench30m
+
+    model = hf_bench30m()
     if lora:
         from peft import LoraConfig, get_peft_model
 

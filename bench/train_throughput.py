@@ -87,6 +87,27 @@ def ladle_run(
     }
 
 
+def hf_bench30m():
+    """bench-30m as a transformers LlamaForCausalLM (seed 0, SDPA attention)."""
+    import transformers
+
+    m = BENCH_30M
+    config = transformers.LlamaConfig(
+        vocab_size=m["vocab_size"],
+        hidden_size=m["dim"],
+        num_hidden_layers=m["n_layers"],
+        num_attention_heads=m["n_heads"],
+        num_key_value_heads=m["n_kv_heads"],
+        intermediate_size=m["ffn_dim"],
+        max_position_embeddings=m["max_seq_len"],
+        tie_word_embeddings=m["tie_embeddings"],
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
 def hf_run(data: Path, steps: int, warmup: int, precision: str, out: Path) -> dict:
     import transformers
     from torch.utils.data import Dataset
@@ -104,20 +125,7 @@ def hf_run(data: Path, steps: int, warmup: int, precision: str, out: Path) -> di
             s = samples.get(i)
             return {"input_ids": torch.from_numpy(s["tokens"]), "labels": torch.from_numpy(s["targets"])}
 
-    m = BENCH_30M
-    config = transformers.LlamaConfig(
-        vocab_size=m["vocab_size"],
-        hidden_size=m["dim"],
-        num_hidden_layers=m["n_layers"],
-        num_attention_heads=m["n_heads"],
-        num_key_value_heads=m["n_kv_heads"],
-        intermediate_size=m["ffn_dim"],
-        max_position_embeddings=m["max_seq_len"],
-        tie_word_embeddings=m["tie_embeddings"],
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
+    model = hf_bench30m()
 
     class Shifted(transformers.Trainer):
         # Our labels are already shifted (targets); HF's loss would shift them again.

@@ -50,6 +50,21 @@ def data_dir(corpus, tokenizer_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def sort_chats(tokenizer_dir, tmp_path_factory) -> Path:
+    """Prepared SFT data: 300 synthetic word-sorting chats (ladle data synth), 20% held out."""
+    from ladle.data.sft import prepare_sft
+    from ladle.data.synthetic import write_task
+
+    tmp = tmp_path_factory.mktemp("sort")
+    write_task("sort", tmp / "task", train=300, val=4, seed=0)
+    out = tmp / "data"
+    prepare_sft(
+        [tmp / "task" / "train.jsonl"], tokenizer=tokenizer_dir, output=out, val_fraction=0.2, progress=False
+    )
+    return out
+
+
 @pytest.fixture
 def tiny_config(tokenizer_dir, data_dir, tmp_path):
     """A config dict for a model of a few thousand parameters that trains in milliseconds a step."""

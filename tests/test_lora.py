@@ -85,29 +85,8 @@ def base_hf(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def sft_dir(tokenizer_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lora")
-    task, data = tmp / "task", tmp / "data"
-    assert (
-        main(["data", "synth", "--task", "sort", "--output", str(task), "--train", "300", "--val", "4"]) == 0
-    )
-    prep = [
-        "data",
-        "prepare",
-        "--task",
-        "sft",
-        "--input",
-        str(task / "train.jsonl"),
-        "--tokenizer",
-        str(tokenizer_dir),
-    ]
-    assert main([*prep, "--output", str(data), "--val-fraction", "0.2"]) == 0
-    return data
-
-
-def write_cfg(tmp_path, tokenizer_dir, sft_dir, base, lora, **train):
-    cfg = make_tiny_config(tokenizer_dir, sft_dir, tmp_path / "run")
+def write_cfg(tmp_path, tokenizer_dir, sort_chats, base, lora, **train):
+    cfg = make_tiny_config(tokenizer_dir, sort_chats, tmp_path / "run")
     cfg["model"] = {"init_from": str(base)}
     cfg["data"]["seq_len"] = 64
     cfg["optim"]["lr"] = 3e-2  # adapters move far in a few steps
@@ -127,14 +106,14 @@ def hf_logits(model):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_peft_loads_the_exported_adapter_with_the_same_logits(
-    tokenizer_dir, sft_dir, base_hf, tmp_path, variant
+    tokenizer_dir, sort_chats, base_hf, tmp_path, variant
 ):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from ladle.train.export import load_checkpoint_model
 
-    f = write_cfg(tmp_path, tokenizer_dir, sft_dir, base_hf, VARIANTS[variant])
+    f = write_cfg(tmp_path, tokenizer_dir, sort_chats, base_hf, VARIANTS[variant])
     run = tmp_path / "run"
     assert main(["run", "sft", "--config", str(f)]) == 0
     assert main(["export", "peft", str(run), str(tmp_path / "adapter")]) == 0
@@ -159,14 +138,18 @@ def test_peft_loads_the_exported_adapter_with_the_same_logits(
         assert torch.equal(base_sd[k], v), k
 
 
-def test_adapter_checkpoints_are_small_and_resume_exactly(tokenizer_dir, sft_dir, base_hf, tmp_path, capsys):
+def test_adapter_checkpoints_are_small_and_resume_exactly(
+    tokenizer_dir, sort_chats, base_hf, tmp_path, capsys
+):
     lora = VARIANTS["dora"]
     whole = tmp_path / "whole"
     whole.mkdir()
-    assert main(["run", "sft", "--config", str(write_cfg(whole, tokenizer_dir, sft_dir, base_hf, lora))]) == 0
+    assert (
+        main(["run", "sft", "--config", str(write_cfg(whole, tokenizer_dir, sort_chats, base_hf, lora))]) == 0
+    )
     split = tmp_path / "split"
     split.mkdir()
-    f = write_cfg(split, tokenizer_dir, sft_dir, base_hf, lora)
+    f = write_cfg(split, tokenizer_dir, sort_chats, base_hf, lora)
     assert main(["run", "sft", "--config", str(f), "train.exit_at_step=3"]) == 0
     assert main(["run", "sft", "--config", str(f), "train.resume=auto"]) == 0
     a = [(r["step"], r["loss"]) for r in read_metrics(whole / "run") if "loss" in r]
@@ -241,11 +224,11 @@ def test_qlora_layers_stay_within_nf4s_error_of_the_base():
         torch.testing.assert_close(model(TOKENS), q_logits, atol=1e-5, rtol=1e-5)
 
 
-def test_qlora_run_trains_reports_its_memory_and_exports(tokenizer_dir, sft_dir, base_hf, tmp_path):
+def test_qlora_run_trains_reports_its_memory_and_exports(tokenizer_dir, sort_chats, base_hf, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    f = write_cfg(tmp_path, tokenizer_dir, sft_dir, base_hf, {"targets": ALL, "quantize_base": "nf4"})
+    f = write_cfg(tmp_path, tokenizer_dir, sort_chats, base_hf, {"targets": ALL, "quantize_base": "nf4"})
     run = tmp_path / "run"
     assert main(["run", "sft", "--config", str(f)]) == 0
     rec = [r for r in read_metrics(run) if "loss" in r]

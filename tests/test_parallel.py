@@ -441,23 +441,9 @@ def test_init_from_fills_each_ranks_shards(reference, tmp_path, source):
 
 
 @pytest.mark.slow
-def test_sft_trains_like_one_process_under_fsdp(tokenizer_dir, data_dir, tmp_path):
+def test_sft_trains_like_one_process_under_fsdp(tokenizer_dir, sort_chats, tmp_path):
     # Packed chats with their loss masks: FSDP over 2 ranks equals one process, per step.
-    task, sft_data = tmp_path / "task", tmp_path / "sft"
-    assert (
-        main(["data", "synth", "--task", "sort", "--output", str(task), "--train", "300", "--val", "4"]) == 0
-    )
-    prep = [
-        "data",
-        "prepare",
-        "--task",
-        "sft",
-        "--input",
-        str(task / "train.jsonl"),
-        "--tokenizer",
-        str(tokenizer_dir),
-    ]
-    assert main([*prep, "--output", str(sft_data), "--val-fraction", "0.2"]) == 0
+    sft_data = sort_chats
     cfg = make_tiny_config(tokenizer_dir, sft_data, tmp_path / "one")
     cfg["sample"] = {"prompt": ""}
     cfg_file = write_config(cfg, tmp_path / "c.yaml", QWEN3)

@@ -126,10 +126,7 @@ def prepare(
             "shard_tokens": shard_tokens,
         }
         if not any(s["documents"] for s in meta["splits"].values()):
-            reasons = "; ".join(
-                f"{reason}: {count} (e.g. {meta['bad_examples'][reason][0]})"
-                for reason, count in meta["bad_records"].items()
-            )
+            reasons = bad_reasons(meta)
             found = f"every record was bad ({reasons})" if reasons else "the files hold no records"
             raise DataError(
                 f"no usable documents in {', '.join(inputs)}: {found}; "
@@ -142,6 +139,14 @@ def prepare(
         raise
     _print_summary(meta, out, stats["seconds"])
     return meta
+
+
+def bad_reasons(meta: dict) -> str:
+    """'reason: count (e.g. file:line); ...' of a meta.json's bad records ('' if none)."""
+    return "; ".join(
+        f"{reason}: {count} (e.g. {meta['bad_examples'][reason][0]})"
+        for reason, count in meta["bad_records"].items()
+    )
 
 
 def _check_output(out: Path) -> None:

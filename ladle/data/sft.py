@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ladle.data.chat import BUILTIN, MARKERS, ChatTemplate
-from ladle.data.indexed import IndexedDataset
+from ladle.data.indexed import IndexedDataset, dtype_for_vocab
 from ladle.data.prepare import (
     FORMAT,
     MAX_EXAMPLES,
@@ -44,6 +44,7 @@ from ladle.data.prepare import (
     _in_val,
     _move_into_place,
     _SplitWriter,
+    bad_reasons,
     load_meta,
 )
 from ladle.data.sources import iter_files, iter_rows, no_files_message
@@ -256,8 +257,6 @@ def prepare_sft(
     if next(iter_files(inputs, glob, exclude, skip=skip), None) is None:
         raise DataError(no_files_message(inputs, glob, exclude))
 
-    from ladle.data.indexed import dtype_for_vocab
-
     dtype = dtype_for_vocab(tok.vocab_size)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -287,9 +286,7 @@ def prepare_sft(
             "val_fraction": val_fraction,
         }
         if not meta["splits"]["train"]["documents"]:
-            reasons = "; ".join(
-                f"{r}: {n} (e.g. {meta['bad_examples'][r][0]})" for r, n in meta["bad_records"].items()
-            )
+            reasons = bad_reasons(meta)
             raise DataError(
                 f"no usable chats in {', '.join(inputs)}: {reasons or 'the files hold no records'}; "
                 "fix the data or the --format/--template options"

@@ -177,10 +177,6 @@ def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value.to(device=param.device, dtype=param.dtype))
 
 
-def adapter_keys(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and turn the modules back into plain nn.Linear

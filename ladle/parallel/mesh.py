@@ -214,7 +214,7 @@ class Parallel:
             loss = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             self.loss_size, self.loss_group = loss.size(), loss.get_group()
             self.cp = ContextParallel(self.mesh["cp"], cp_attention)
-        shared = [d for d in ("pp", "cp", "tp") if getattr(layout, d) > 1]
+        shared = self.shared_dims
         if shared:
             m = (
                 self.mesh[shared[0]]
@@ -225,10 +225,14 @@ class Parallel:
             self.shared_leader = torch.distributed.get_global_rank(self.shared_group, 0)
 
     @property
+    def shared_dims(self) -> list[str]:
+        """The degrees whose ranks train on the same samples (their group reads once)."""
+        return [d for d in ("pp", "cp", "tp") if getattr(self.layout, d) > 1]
+
+    @property
     def shared(self) -> str | None:
-        """The degrees whose ranks train on the same samples ('tp', 'pp x tp', ...), or None."""
-        names = [d for d in ("pp", "cp", "tp") if getattr(self.layout, d) > 1]
-        return " x ".join(names) or None
+        """Those degrees for messages ('tp', 'pp x tp', ...), or None."""
+        return " x ".join(self.shared_dims) or None
 
     def shard_sequence(self, batch: dict) -> dict:
         """This rank's part of each sample under context parallelism (else the batch itself)."""
