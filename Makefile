@@ -56,19 +56,19 @@ sft-demo: setup $(DEMO)/run/checkpoints/latest $(SFT)/data/meta.json
 	$(EVAL_TASK) --model $(DEMO)/run > $(SFT)/before.json
 	$(BIN)/ladle run sft --config configs/tiny/sft.yaml
 	$(EVAL_TASK) --model $(SFT)/run > $(SFT)/after.json
-	@$(BIN)/python -c "$$SFT_SUMMARY"
+	@$(BIN)/python -c "$$SFT_SUMMARY" $@
 
 lora-demo: setup $(DEMO)/run/checkpoints/latest $(SFT)/data/meta.json
 	rm -rf $(SFT)/lora
 	$(EVAL_TASK) --model $(DEMO)/run > $(SFT)/before.json
 	$(BIN)/ladle run sft --config configs/tiny/lora.yaml
 	$(EVAL_TASK) --model $(SFT)/lora > $(SFT)/after.json
-	@$(BIN)/python -c "$$SFT_SUMMARY"
+	@$(BIN)/python -c "$$SFT_SUMMARY" $@
 
 define SFT_SUMMARY
-import json
+import json, sys
 b, a = (json.load(open(f'$(SFT)/{n}.json')) for n in ('before', 'after'))
-print(f"sft-demo: held-out accuracy {b['accuracy']:.0%} before finetuning, {a['accuracy']:.0%} after "
+print(f"{sys.argv[1]}: held-out accuracy {b['accuracy']:.0%} before finetuning, {a['accuracy']:.0%} after "
       f"({a['correct']}/{a['total']} exact answers); e.g. {a['examples'][0]['prompt']!r} -> {a['examples'][0]['answer']!r}")
 endef
 export SFT_SUMMARY

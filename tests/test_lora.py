@@ -3,6 +3,7 @@ only adapters train, adapter-only checkpoints resume exactly, and PEFT loads the
 with the same logits (fp32, 1e-5)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -25,9 +26,11 @@ VARIANTS = {
 }
 
 
-def tiny_model():
+def tiny_model(**kw):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+    cfg = ModelConfig(
+        vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, **kw
+    )
     return build_model(cfg)
 
 
@@ -55,6 +58,20 @@ def test_adapters_at_init_leave_the_model_unchanged_and_merge_exactly(variant):
         torch.testing.assert_close(merged(TOKENS), adapted, atol=1e-5, rtol=1e-5)
 
 
+def test_modules_to_save_train_in_full_and_tied_names_mean_the_shared_matrix():
+    model = tiny_model(tie_embeddings=True)  # no lm_head module: the head is embed_tokens' matrix
+    apply_lora(model, LoRAConfig(targets=["q_proj"], modules_to_save=["lm_head"]))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "embed_tokens.weight" in trainable and all(
+        ".lora_" in n for n in trainable - {"embed_tokens.weight"}
+    )
+    assert not model.norm.weight.requires_grad and not model.layers[0].self_attn.q_proj.weight.requires_grad
+    with pytest.raises(ValueError, match="'lm_head' is in both targets and modules_to_save"):
+        LoRAConfig(targets=["q_proj", "lm_head"], modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match="embed_tokens"):  # only the embedding and the head
+        LoRAConfig(modules_to_save=["norm"])
+
+
 def test_targets_that_match_nothing_are_named():
     with pytest.raises(
         ConfigError, match=r"no module named 'qproj' in this model; its linear modules are .*q_proj"
@@ -63,8 +80,7 @@ def test_targets_that_match_nothing_are_named():
 
 
 # -- runs --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def base_hf(tmp_path_factory):
+def qwen2_folder(out, tied: bool):
     """A random Qwen2 (q/k/v biases) written by transformers, for the tiny tokenizer's 512 ids."""
     import transformers as tf
 
@@ -77,12 +93,21 @@ def base_hf(tmp_path_factory):
         intermediate_size=64,
         max_position_embeddings=128,
         use_sliding_window=False,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("base") / "hf"
     tf.Qwen2ForCausalLM(config).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def base_hf(tmp_path_factory):
+    return qwen2_folder(tmp_path_factory.mktemp("base") / "hf", tied=False)
+
+
+@pytest.fixture(scope="module")
+def base_hf_tied(tmp_path_factory):
+    return qwen2_folder(tmp_path_factory.mktemp("base") / "hf", tied=True)
 
 
 def write_cfg(tmp_path, tokenizer_dir, sort_chats, base, lora, **train):
@@ -104,16 +129,27 @@ def hf_logits(model):
         return model(TOKENS).logits
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# modules_to_save on an untied base (embedding and head apart) and on a tied one (PEFT then ties
+# its trained copy of the embedding to the head: ensure_weight_tying)
+PEFT_CASES = {
+    **{v: (VARIANTS[v], False) for v in VARIANTS},
+    "lora+saved": ({"targets": ["q_proj", "v_proj"], "modules_to_save": ["embed_tokens", "lm_head"]}, False),
+    "dora+saved-tied": ({"targets": ALL, "dora": True, "modules_to_save": ["embed_tokens"]}, True),
+}
+
+
+@pytest.mark.parametrize("case", PEFT_CASES)
 def test_peft_loads_the_exported_adapter_with_the_same_logits(
-    tokenizer_dir, sort_chats, base_hf, tmp_path, variant
+    tokenizer_dir, sort_chats, base_hf, base_hf_tied, tmp_path, case
 ):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from ladle.train.export import load_checkpoint_model
 
-    f = write_cfg(tmp_path, tokenizer_dir, sort_chats, base_hf, VARIANTS[variant])
+    lora, tied = PEFT_CASES[case]
+    base_hf = base_hf_tied if tied else base_hf
+    f = write_cfg(tmp_path, tokenizer_dir, sort_chats, base_hf, lora)
     run = tmp_path / "run"
     assert main(["run", "sft", "--config", str(f)]) == 0
     assert main(["export", "peft", str(run), str(tmp_path / "adapter")]) == 0
@@ -129,19 +165,22 @@ def test_peft_loads_the_exported_adapter_with_the_same_logits(
     assert (logits - base_logits).abs().max() > 1e-3  # the adapters did learn something
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     torch.testing.assert_close(hf_logits(merged), logits, atol=1e-5, rtol=1e-5)
-    # only the adapters changed: the base weights are the folder's, bit for bit
+    # only the adapters and the modules to save changed: the rest is the folder's, bit for bit
     from ladle.models.hf import load_hf
 
     ref, _ = load_hf(base_hf)
+    saved = {f"{m}.weight" for m in lora.get("modules_to_save", [])}
+    if tied and saved:
+        saved = {"embed_tokens.weight"}
     base_sd = {k: v for k, v in ours.state_dict().items() if ".lora_" not in k}
     for k, v in ref.state_dict().items():
-        assert torch.equal(base_sd[k], v), k
+        assert torch.equal(base_sd[k], v) == (k not in saved), k
 
 
 def test_adapter_checkpoints_are_small_and_resume_exactly(
     tokenizer_dir, sort_chats, base_hf, tmp_path, capsys
 ):
-    lora = VARIANTS["dora"]
+    lora = {**VARIANTS["dora"], "modules_to_save": ["lm_head"]}  # trained in full, checkpointed too
     whole = tmp_path / "whole"
     whole.mkdir()
     assert (
@@ -163,10 +202,13 @@ def test_adapter_checkpoints_are_small_and_resume_exactly(
 
     keys = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]
-    assert model_keys and all(".lora_" in k for k in model_keys)
-    # weights + two AdamW moments of the adapters: well below a full checkpoint's three copies
+    assert "model.lm_head.weight" in model_keys
+    assert all(".lora_" in k for k in model_keys if k != "model.lm_head.weight")
+    # on disk: the weights + two AdamW moments of those tensors alone (4-byte floats), no base;
+    # DCP frames each tensor it writes with a few KB of its own
+    numel = sum(math.prod(keys[k].size) for k in model_keys)
     size = sum(p.stat().st_size for p in ckpt.rglob("*.distcp"))
-    assert size < 3 * sum(p.stat().st_size for p in base_hf.glob("*.safetensors")) / 1.5
+    assert 3 * 4 * numel <= size < 3 * 4 * numel + 3 * len(model_keys) * 4096
     assert json.loads((ckpt / "trainer_state.json").read_text())["adapters_only"] is True
     # ... so it cannot go onto a base of another shape: refused, the shapes named
     import transformers as tf

@@ -460,6 +460,7 @@ def test_sft_trains_like_one_process_under_fsdp(tokenizer_dir, sort_chats, tmp_p
 LORA = {
     "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "dora": True,
+    "modules_to_save": ["embed_tokens", "lm_head"],  # trained in full: sharded, or split over TP
 }
 LORA_LAYOUTS = {
     "fsdp dp_shard=2": (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"]),
@@ -481,7 +482,8 @@ def lora_reference(tokenizer_dir, data_dir, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LORA_LAYOUTS)
 def test_dora_adapters_train_like_one_process(lora_reference, tmp_path, name):
-    # DoRA on every linear of a frozen base: under FSDP the adapters are sharded with their block;
+    # DoRA on every linear of a frozen base, embedding and head trained in full: under FSDP the
+    # adapters are sharded with their block (the root group mixes frozen and trained tensors);
     # under TP they are DTensors placed like their base layer (A replicated and B split for
     # column-parallel layers, A split for row-parallel ones). Loss and gradient norm as one process.
     cfg_file, one = lora_reference

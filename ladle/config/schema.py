@@ -307,6 +307,12 @@ class LoRAConfig(Section):
     dora: bool = Field(
         False, description="DoRA: a learned magnitude per output row on top of the low-rank direction"
     )
+    modules_to_save: list[Literal["embed_tokens", "lm_head"]] = Field(
+        [],
+        description="modules trained in full beside the adapters (PEFT's modules_to_save): the input "
+        "embedding and/or the output head, for tokens the base never learned (chat markers, new "
+        "words); with tied embeddings either name trains the one shared matrix",
+    )
     quantize_base: Literal["none", "nf4"] = Field(
         "none",
         description="QLoRA: the frozen base's block linears stored in 4-bit NF4, dequantized per layer",
@@ -318,6 +324,16 @@ class LoRAConfig(Section):
         if not v:
             raise ValueError("name at least one linear module to adapt (e.g. [q_proj, v_proj])")
         return v
+
+    @model_validator(mode="after")
+    def _saved_not_adapted(self):
+        both = sorted(set(self.targets) & set(self.modules_to_save))
+        if both:
+            raise ValueError(
+                f"lora: {both[0]!r} is in both targets and modules_to_save; a module gets an adapter "
+                "or is trained in full, not both"
+            )
+        return self
 
 
 class LadleConfig(Section):

@@ -21,7 +21,7 @@ from ladle.data.loader import (
 from ladle.data.prepare import open_split
 from ladle.models.hf import is_hf_folder, load_hf_weights, resolve_config
 from ladle.models.llama import Llama, build_model, count_params
-from ladle.models.lora import init_adapters
+from ladle.models.lora import apply_lora, init_adapters
 from ladle.models.nf4 import quantize_linears
 from ladle.parallel.compile import eager
 from ladle.parallel.init import materialize
@@ -124,7 +124,7 @@ def build_trainer(
     )
     run.events(
         f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"
-        f"{', experts a token uses' if cfg.model.moe else ''}); "
+        f"{', experts a token uses' if cfg.model.moe else ''}){trained_params(cfg)}; "
         f"{len(train):,} train samples of {cfg.data.seq_len} tokens, {len(val):,} validation samples; "
         f"device {device} ({dev.device_name(device)}), world size {dist.world_size()}, "
         f"layout {par.layout.describe()}"
@@ -169,6 +169,18 @@ def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
         generator=g,
     )[0]
     return s.prompt + tok.decode(out)
+
+
+def trained_params(cfg: LadleConfig) -> str:
+    """', N trained (adapters ...)' for an adapter run, counted on a meta-device copy (any layout)."""
+    if cfg.lora is None:
+        return ""
+    with torch.device("meta"):
+        meta = Llama(cfg.model)
+    apply_lora(meta, cfg.lora)
+    n = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    saved = f" and {', '.join(cfg.lora.modules_to_save)} in full" if cfg.lora.modules_to_save else ""
+    return f", {n:,} trained: adapters{saved}"
 
 
 def run(cfg: LadleConfig, recipe: str = "pretrain", samples=packed_samples) -> str:

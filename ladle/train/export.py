@@ -139,7 +139,8 @@ def export_peft(checkpoint: str | Path, out: str | Path) -> Path:
     cfg = LoRAConfig.model_validate(run_cfg["lora"])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(peft_state_dict(model), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(peft_state_dict(model, cfg), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     base = run_cfg["model"].get("init_from")
-    (out / "adapter_config.json").write_text(json.dumps(peft_config(cfg, base), indent=2) + "\n")
+    config = peft_config(cfg, base, tied=model.cfg.tie_embeddings)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
