@@ -7,7 +7,8 @@ thread per core. Both sides get the very same rows (token ids, targets with the 
 -100, positions restarting per chat); ladle also keeps the chats apart in attention (document
 masks), which the Trainer's SDPA path does not do for packed rows, so ladle does a little more
 work. LoRA: rank 16, alpha 32, on q/k/v/o/gate/up/down, on both sides. Repeats alternate between
-the four runs so machine noise hits all alike. Prints one JSON line:
+the six runs (ladle eager, ladle with `train.compile=true`, the Trainer; for SFT and for LoRA)
+so machine noise hits all alike. Prints one JSON line:
 
     python bench/sft_throughput.py [--repeats 3] [--steps 4] [--warmup 2]
 
@@ -50,7 +51,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
     return tok, data
 
 
-def ladle_run(tok, data, out, steps, warmup, lora: bool) -> float:
+def ladle_run(tok, data, out, steps, warmup, lora: bool, compile: bool = False) -> float:
     from ladle.config.load import build_config
     from ladle.recipes import sft
     from ladle.train.metrics import read_metrics
@@ -62,7 +63,13 @@ def ladle_run(tok, data, out, steps, warmup, lora: bool) -> float:
         "data": {"path": str(data), "seq_len": SEQ},
         "optim": {"lr": 1e-4},
         "scheduler": {"name": "constant"},
-        "train": {"max_steps": warmup + steps, "micro_batch_size": MB, "log_every": 1, "eval_steps": 0},
+        "train": {
+            "max_steps": warmup + steps,
+            "micro_batch_size": MB,
+            "log_every": 1,
+            "eval_steps": 0,
+            "compile": compile,
+        },
         "precision": {"mode": "bf16-mixed"},
         "checkpoint": {"every": 0},
         "sample": {"prompt": ""},
@@ -184,15 +191,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    res = {"ladle_sft": [], "trainer_sft": [], "ladle_lora": [], "trainer_peft_lora": []}
+    res = {k: [] for k in ("ladle_sft", "ladle_sft_compile", "trainer_sft")}
+    res.update({k: [] for k in ("ladle_lora", "ladle_lora_compile", "trainer_peft_lora")})
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tok, data = prepare(work)
         for r in range(args.repeats):
-            res["ladle_sft"].append(ladle_run(tok, data, work / f"ls{r}", args.steps, args.warmup, False))
-            res["trainer_sft"].append(hf_run(data, work / f"hs{r}", args.steps, args.warmup, False))
-            res["ladle_lora"].append(ladle_run(tok, data, work / f"ll{r}", args.steps, args.warmup, True))
-            res["trainer_peft_lora"].append(hf_run(data, work / f"hl{r}", args.steps, args.warmup, True))
+            n, w = args.steps, args.warmup
+            res["ladle_sft"].append(ladle_run(tok, data, work / f"ls{r}", n, w, False))
+            res["ladle_sft_compile"].append(ladle_run(tok, data, work / f"lsc{r}", n, w, False, compile=True))
+            res["trainer_sft"].append(hf_run(data, work / f"hs{r}", n, w, False))
+            res["ladle_lora"].append(ladle_run(tok, data, work / f"ll{r}", n, w, True))
+            res["ladle_lora_compile"].append(ladle_run(tok, data, work / f"llc{r}", n, w, True, compile=True))
+            res["trainer_peft_lora"].append(hf_run(data, work / f"hl{r}", n, w, True))
             print(
                 f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in res.items()), file=sys.stderr
             )
@@ -208,7 +219,9 @@ def main() -> None:
                 "repeats": args.repeats,
                 "tokens_per_s_median": med,
                 "sft_ratio": round(med["ladle_sft"] / med["trainer_sft"], 3),
+                "sft_compile_ratio": round(med["ladle_sft_compile"] / med["trainer_sft"], 3),
                 "lora_ratio": round(med["ladle_lora"] / med["trainer_peft_lora"], 3),
+                "lora_compile_ratio": round(med["ladle_lora_compile"] / med["trainer_peft_lora"], 3),
                 "runs": {k: [round(x, 1) for x in v] for k, v in res.items()},
                 "memory": memory(),
             }

@@ -98,6 +98,12 @@ def build_trainer(
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     m = cfg.model
     fpt = flops_per_token(n_no_embed, m.n_layers, m.n_heads, m.head_size, cfg.data.seq_len)
+    trained = ""
+    if cfg.lora is not None:
+        n_trained, n_adapters, frozen = adapter_counts(cfg)
+        fpt += 6 * n_adapters - 2 * frozen
+        saved = f" and {', '.join(cfg.lora.modules_to_save)} in full" if cfg.lora.modules_to_save else ""
+        trained = f", {n_trained:,} trained (adapters{saved}; MFU counts 4 FLOPs a token for a frozen weight)"
 
     train = samples(cfg, "train", found)
     loader = None
@@ -124,7 +130,7 @@ def build_trainer(
     )
     run.events(
         f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"
-        f"{', experts a token uses' if cfg.model.moe else ''}){trained_params(cfg)}; "
+        f"{', experts a token uses' if cfg.model.moe else ''}){trained}; "
         f"{len(train):,} train samples of {cfg.data.seq_len} tokens, {len(val):,} validation samples; "
         f"device {device} ({dev.device_name(device)}), world size {dist.world_size()}, "
         f"layout {par.layout.describe()}"
@@ -171,16 +177,18 @@ def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
     return s.prompt + tok.decode(out)
 
 
-def trained_params(cfg: LadleConfig) -> str:
-    """', N trained (adapters ...)' for an adapter run, counted on a meta-device copy (any layout)."""
-    if cfg.lora is None:
-        return ""
+def adapter_counts(cfg: LadleConfig) -> tuple[int, int, int]:
+    """(trained parameters, adapter parameters, frozen weights among MFU's N) of an adapter run,
+    counted on a meta-device copy (so for any layout). A frozen weight costs no weight gradient:
+    4 FLOPs a token instead of 6; the adapters are matmul weights of their own."""
     with torch.device("meta"):
         meta = Llama(cfg.model)
     apply_lora(meta, cfg.lora)
-    n = sum(p.numel() for p in meta.parameters() if p.requires_grad)
-    saved = f" and {', '.join(cfg.lora.modules_to_save)} in full" if cfg.lora.modules_to_save else ""
-    return f", {n:,} trained: adapters{saved}"
+    trained = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    adapters = sum(p.numel() for n, p in meta.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+    head = meta.embed_tokens.weight if cfg.model.tie_embeddings else meta.lm_head.weight
+    n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
+    return trained, adapters, n_no_embed - (head.numel() if head.requires_grad else 0)
 
 
 def run(cfg: LadleConfig, recipe: str = "pretrain", samples=packed_samples) -> str:
