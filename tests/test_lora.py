@@ -261,6 +261,29 @@ def test_nf4_round_trip_is_within_its_stated_error():
     torch.testing.assert_close(NF4Weight(exact).dequantize(), exact, atol=1e-6, rtol=0)
 
 
+def test_nf4_is_as_accurate_as_torchaos_nf4_tensor():
+    # torchao's NF4 (QLoRA's format: blocks of 64, double-quantized maxima in groups of 256) as the
+    # reference: the same levels and the same error on the same weights. The values differ in
+    # their last bits, because torchao takes one mean out of all the block maxima and ladle one
+    # per group of 256, so values that lie near the midpoint of two levels may round apart.
+    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    from ladle.models.nf4 import LEVELS, NF4Weight
+
+    torch.manual_seed(0)
+    for shape in [(256, 512), (704, 256)]:
+        w = torch.randn(*shape) * 0.02
+        theirs = nf4_tensor.to_nf4(w, 64, 256)
+        # torchao writes the levels to 4 decimals, bitsandbytes (and ladle) in full
+        torch.testing.assert_close(theirs.nf4.float(), torch.tensor(LEVELS), atol=5e-5, rtol=0)
+        ref = theirs.get_original_weight()
+        ours = NF4Weight(w).dequantize()
+        e_ref, e_ours = (ref - w).abs(), (ours - w).abs()
+        assert e_ours.mean() <= 1.01 * e_ref.mean() and e_ours.max() <= 1.05 * e_ref.max(), shape
+        # the same level for all but the values close to the midpoint of two (0.3% here): others
+        # differ by the block maximum's rounding only, far below a level gap
+        assert ((ours - ref).abs() > 0.005 * w.abs().max()).float().mean() < 0.01, shape
+
+
 def test_qlora_layers_stay_within_nf4s_error_of_the_base():
     # Each quantized layer's output differs from the full-precision one by at most |x| . bound,
     # the bound of every weight; the adapted model at init is the quantized base.

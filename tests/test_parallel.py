@@ -76,6 +76,14 @@ def test_pp_with_tied_embeddings_is_refused_by_name(tiny_config):
         check_layout(cfg, 2)
 
 
+def test_tp_with_compile_is_refused_by_name(tiny_config):
+    # it fails in backward on torch 2.13 (gloo, CPU): refused before launch, not a crash mid-step
+    cfg = cfg_of(tiny_config, tp=2, dp_shard=1)
+    cfg.train.compile = True
+    with pytest.raises(ConfigError, match=r"tp > 1 with train\.compile=true fails in backward"):
+        check_layout(cfg, 2)
+
+
 def test_cli_refuses_a_bad_layout_before_torchrun(tiny_config, tmp_path, capsys):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text(yaml.safe_dump(tiny_config))

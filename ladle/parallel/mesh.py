@@ -103,6 +103,12 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
             errors.append(f"tp={lay.tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
         if m.moe:
             errors.append("tp > 1 on an MoE model is not supported yet; shard it with dp_shard")
+        if cfg.train.compile:  # torch 2.13: a DTensor redistribute's backward gets a plain gradient
+            errors.append(
+                "tp > 1 with train.compile=true fails in backward on this PyTorch (the compiled "
+                "blocks hand a DTensor redistribute a plain-tensor gradient); set train.compile=false "
+                "or use dp_shard for this model"
+            )
     if lay.pp > 1:
         from ladle.parallel.pp import STAGES_PER_RANK
 
