@@ -26,12 +26,12 @@ VARIANTS = {
 }
 
 
+TINY = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+
+
 def tiny_model(**kw):
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, **kw
-    )
-    return build_model(cfg)
+    return build_model(ModelConfig(**TINY, **kw))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -76,16 +76,15 @@ def test_adapter_run_counts_for_the_log_and_mfu():
     from ladle.config.load import build_config
     from ladle.recipes.pretrain import adapter_counts
 
-    model = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
     lora = {"targets": ["q_proj", "down_proj"], "rank": 4, "dora": True, "modules_to_save": ["lm_head"]}
     cfg = build_config(
-        {"model": model, "lora": lora, "tokenizer": {"path": "t"}, "data": {"path": "d", "seq_len": 32}}
+        {"model": TINY, "lora": lora, "tokenizer": {"path": "t"}, "data": {"path": "d", "seq_len": 32}}
     )
-    trained, adapters, frozen = adapter_counts(cfg)
+    n = sum(p.numel() for k, p in tiny_model().named_parameters() if k != "embed_tokens.weight")
+    trained, adapters, frozen = adapter_counts(cfg, n)
     # by hand: per layer q_proj 4 x (32 + 32), down_proj 4 x (64 + 32); DoRA magnitudes 32 + 32
     assert adapters == 2 * (4 * 64 + 4 * 96)
     assert trained == adapters + 2 * (32 + 32) + 97 * 32  # + the head, trained in full
-    n = sum(p.numel() for k, p in tiny_model().named_parameters() if k != "embed_tokens.weight")
     assert frozen == n - 97 * 32  # every weight of N but the head gets no weight gradient
 
 

@@ -231,24 +231,23 @@ def peft_state_dict(model: nn.Module, cfg) -> dict[str, torch.Tensor]:
         for n, p in model.named_parameters()
         if ".lora_" in n
     }
-    if cfg.modules_to_save:
-        embed = _full(model.embed_tokens.weight.detach()).cpu().contiguous()
-        if model.cfg.tie_embeddings:
-            out[PEFT_PREFIX + "model.embed_tokens.weight"] = embed
-            out[PEFT_PREFIX + "lm_head.weight"] = embed.clone()  # safetensors refuses shared storage
-        else:
-            if "embed_tokens" in cfg.modules_to_save:
-                out[PEFT_PREFIX + "model.embed_tokens.weight"] = embed
-            if "lm_head" in cfg.modules_to_save:
-                out[PEFT_PREFIX + "lm_head.weight"] = _full(model.lm_head.weight.detach()).cpu().contiguous()
+    tied = model.cfg.tie_embeddings
+    for name in peft_saved(cfg, tied):
+        w = model.embed_tokens.weight if tied else getattr(model, name).weight
+        # a copy of its own: safetensors refuses two keys on one storage (the tied case)
+        out[PEFT_PREFIX + to_hf_name(f"{name}.weight")] = _full(w.detach()).cpu().clone()
     return out
 
 
+def peft_saved(cfg, tied: bool) -> list[str]:
+    """PEFT's modules_to_save for these options. Tied embeddings trained in full are both names,
+    with `ensure_weight_tying`, so that PEFT's copy of the embedding is the head too, as in ladle."""
+    return ["embed_tokens", "lm_head"] if (tied and cfg.modules_to_save) else sorted(cfg.modules_to_save)
+
+
 def peft_config(cfg, base: str | None, tied: bool = False) -> dict:
-    """adapter_config.json as PEFT writes it for a LoraConfig of the same options. Tied
-    embeddings trained in full are both modules_to_save with `ensure_weight_tying`, so that
-    PEFT's copy of the embedding is the head too, as it is in ladle."""
-    saved = ["embed_tokens", "lm_head"] if (tied and cfg.modules_to_save) else sorted(cfg.modules_to_save)
+    """adapter_config.json as PEFT writes it for a LoraConfig of the same options."""
+    saved = peft_saved(cfg, tied)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -100,7 +100,7 @@ def build_trainer(
     fpt = flops_per_token(n_no_embed, m.n_layers, m.n_heads, m.head_size, cfg.data.seq_len)
     trained = ""
     if cfg.lora is not None:
-        n_trained, n_adapters, frozen = adapter_counts(cfg)
+        n_trained, n_adapters, frozen = adapter_counts(cfg, n_no_embed)
         fpt += 6 * n_adapters - 2 * frozen
         saved = f" and {', '.join(cfg.lora.modules_to_save)} in full" if cfg.lora.modules_to_save else ""
         trained = f", {n_trained:,} trained (adapters{saved}; MFU counts 4 FLOPs a token for a frozen weight)"
@@ -177,17 +177,16 @@ def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
     return s.prompt + tok.decode(out)
 
 
-def adapter_counts(cfg: LadleConfig) -> tuple[int, int, int]:
-    """(trained parameters, adapter parameters, frozen weights among MFU's N) of an adapter run,
-    counted on a meta-device copy (so for any layout). A frozen weight costs no weight gradient:
-    4 FLOPs a token instead of 6; the adapters are matmul weights of their own."""
+def adapter_counts(cfg: LadleConfig, n_no_embed: int) -> tuple[int, int, int]:
+    """(trained parameters, adapter parameters, frozen weights among MFU's N = n_no_embed) of an
+    adapter run, counted on a meta-device copy (so for any layout). A frozen weight costs no
+    weight gradient: 4 FLOPs a token instead of 6; the adapters are matmul weights of their own."""
     with torch.device("meta"):
         meta = Llama(cfg.model)
     apply_lora(meta, cfg.lora)
     trained = sum(p.numel() for p in meta.parameters() if p.requires_grad)
     adapters = sum(p.numel() for n, p in meta.named_parameters() if ".lora_A." in n or ".lora_B." in n)
     head = meta.embed_tokens.weight if cfg.model.tie_embeddings else meta.lm_head.weight
-    n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     return trained, adapters, n_no_embed - (head.numel() if head.requires_grad else 0)
 
 
