@@ -91,9 +91,12 @@ def cmd_run(args) -> int:
     recipe = _recipe(args.recipe)
     cfg = load_config(args.config, args.overrides)
     if args.nproc > 1 or args.nnodes > 1:
-        _checked(
-            cfg, args.nproc * args.nnodes, recipe=args.recipe
-        )  # fail here, once, before torchrun starts N processes
+        from ladle.train.run import resolve_resume
+
+        # Fail here, once, before torchrun starts N processes: the layout, the paths, and a
+        # start over another run's checkpoints (resolve_resume writes nothing).
+        checked, _ = _checked(cfg, args.nproc * args.nnodes, recipe=args.recipe)
+        resolve_resume(checked)
         return _torchrun(args)
     status = recipe.run(cfg)
     return 0 if status in ("completed", "exit", "SIGTERM", "SIGINT") else 1

@@ -143,8 +143,10 @@ def measure_gemm_tflops(
     for n in (256, *sizes):
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
+        a @ b  # warm-up: first-call kernel selection and allocation (slow once, not a measure)
+        synchronize(device)
         t0 = time.perf_counter()
-        a @ b  # warm-up: first-call kernel selection and allocation
+        a @ b
         synchronize(device)
         if time.perf_counter() - t0 > seconds / 4:  # a slow kernel (fp16 on most CPUs): stop growing
             best = max(best, 2 * n**3 / (time.perf_counter() - t0) / 1e12)

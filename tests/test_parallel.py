@@ -76,11 +76,18 @@ def test_pp_with_tied_embeddings_is_refused_by_name(tiny_config):
         check_layout(cfg, 2)
 
 
-def test_tp_with_compile_is_refused_by_name(tiny_config):
-    # it fails in backward on torch 2.13 (gloo, CPU): refused before launch, not a crash mid-step
-    cfg = cfg_of(tiny_config, tp=2, dp_shard=1)
-    cfg.train.compile = True
-    with pytest.raises(ConfigError, match=r"tp > 1 with train\.compile=true fails in backward"):
+def test_async_tp_is_refused_where_it_cannot_run(tiny_config):
+    cfg = cfg_of(tiny_config, tp=2, dp_shard=1, async_tp=True)
+    cfg.train.device = "cpu"
+    with pytest.raises(ConfigError) as e:
+        check_layout(cfg, 2)
+    assert "parallel.async_tp is an inductor pass over the compiled blocks; set train.compile=true" in str(
+        e.value
+    )
+    assert "parallel.async_tp needs CUDA (symmetric memory), but this run's device is cpu" in str(e.value)
+    cfg = cfg_of(tiny_config, dp_shard=2, async_tp=True)
+    cfg.train.device = "cpu"
+    with pytest.raises(ConfigError, match=r"parallel\.async_tp needs parallel\.tp > 1"):
         check_layout(cfg, 2)
 
 
@@ -105,6 +112,20 @@ def test_cli_refuses_a_bad_layout_before_torchrun(tiny_config, tmp_path, capsys)
     )
     assert "tp=3 x pp=1 x cp=1 = 3 does not divide the world size 2" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_cli_refuses_to_start_over_a_run_before_torchrun(tiny_config, tmp_path, capsys):
+    # each of N processes would otherwise print the refusal and torchrun report a crash
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_config))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    args = ["run", "pretrain", "--config", str(cfg_file), "--nproc", "2", f"output_dir={out}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"output_dir {out} already holds a run's metrics.jsonl; set train.resume=auto") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
 
 
 def test_validate_checks_the_layout_for_a_world_size(tiny_config, tmp_path, capsys):
@@ -230,6 +251,32 @@ def test_layout_trains_like_one_process(reference, tmp_path, name):
     assert ("read by the first rank of each" in events) == shared
     card = json.loads((out / "run_card.json").read_text())
     assert card["world_size"] == nproc and card["final"]["sample"].startswith("def ")
+
+
+# train.compile under a layout: the compiled blocks give the eager single process's run to fusion
+# rounding (the fp32 reference is eager; compiled vs eager alone differs by ~1e-5 per step). A
+# gradient with a missing reduction, as TP + compile with an attention graph break gave on torch
+# 2.13 (docs/training.md), is off by tens of percent from step 1.
+COMPILED_LAYOUTS = ["tp=2", "fsdp dp_shard=2", "cp=2 x tp=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMPILED_LAYOUTS)
+def test_compiled_layout_trains_like_one_process(reference, tmp_path, name):
+    cfg_file, one = reference
+    nproc, overrides = LAYOUTS[name]
+    out = tmp_path / "par"
+    launch(cfg_file, out, nproc, *overrides, "train.compile=true")
+    ra, rb = read_metrics(one), read_metrics(out)
+    la = {r["step"]: r for r in ra if "loss" in r}
+    lb = {r["step"]: r for r in rb if "loss" in r}
+    assert sorted(lb) == list(range(1, STEPS + 1))
+    for s in la:
+        assert lb[s]["loss"] == pytest.approx(la[s]["loss"], rel=1e-4), s
+        assert lb[s]["grad_norm"] == pytest.approx(la[s]["grad_norm"], rel=1e-3), s
+    va = {r["step"]: r["val_loss"] for r in ra if "val_loss" in r}
+    vb = {r["step"]: r["val_loss"] for r in rb if "val_loss" in r}
+    assert va.keys() == vb.keys() and all(vb[s] == pytest.approx(va[s], rel=1e-4) for s in va)
 
 
 @pytest.mark.slow

@@ -237,6 +237,11 @@ class ParallelConfig(Section):
         description="context parallel attention: all-gathered keys and values (any device, document "
         "masks), or PyTorch's ring attention (CUDA, needs data.document_mask=false)",
     )
+    async_tp: bool = Field(
+        False,
+        description="tensor parallel: inductor's micro-pipelining overlaps each all-gather and "
+        "reduce-scatter with its matmul (needs CUDA and train.compile=true)",
+    )
     ep: int = Field(1, ge=1, description="expert parallel (MoE models)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = Field(
         "1f1b", description="pipeline schedule; the interleaved ones and zbv put two stages on each rank"

@@ -140,7 +140,6 @@ class Attention(nn.Module):
         y = self.attend(q, k, v, mask, cache, layer)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    @torch.compiler.disable  # eager under train.compile: see ladle/parallel/compile.py
     def attend(self, q, k, v, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, K, S, D), S = cached + T

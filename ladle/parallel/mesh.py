@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ladle.config import LadleConfig
+from ladle.device import pick_device
 from ladle.errors import ConfigError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -103,11 +104,18 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
             errors.append(f"tp={lay.tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
         if m.moe:
             errors.append("tp > 1 on an MoE model is not supported yet; shard it with dp_shard")
-        if cfg.train.compile:  # torch 2.13: a DTensor redistribute's backward gets a plain gradient
+    if cfg.parallel.async_tp:
+        if lay.tp == 1:
+            errors.append("parallel.async_tp needs parallel.tp > 1")
+        if not cfg.train.compile:
             errors.append(
-                "tp > 1 with train.compile=true fails in backward on this PyTorch (the compiled "
-                "blocks hand a DTensor redistribute a plain-tensor gradient); set train.compile=false "
-                "or use dp_shard for this model"
+                "parallel.async_tp is an inductor pass over the compiled blocks; set train.compile=true"
+            )
+        kind = pick_device(cfg.train.device).type
+        if kind != "cuda":
+            errors.append(
+                f"parallel.async_tp needs CUDA (symmetric memory), but this run's device is {kind}; "
+                "set parallel.async_tp=false"
             )
     if lay.pp > 1:
         from ladle.parallel.pp import STAGES_PER_RANK

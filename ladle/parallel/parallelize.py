@@ -16,13 +16,15 @@ from ladle.parallel.compile import compile_blocks
 from ladle.parallel.ep import apply_ep
 from ladle.parallel.fsdp import apply_ddp, apply_fsdp
 from ladle.parallel.mesh import Parallel
-from ladle.parallel.tp import apply_tp
+from ladle.parallel.tp import apply_tp, enable_async_tp
 
 
 def parallelize(model: nn.Module, par: Parallel, cfg: LadleConfig, device: torch.device) -> nn.Module:
     lay = par.layout
     if lay.tp > 1:
         apply_tp(model, par.submesh("tp"))
+        if cfg.parallel.async_tp:
+            enable_async_tp(par.submesh("tp"))
     if lay.ep > 1:
         apply_ep(model, par.submesh("ep"))
     if cfg.lora is not None:  # on TP's DTensors (adapters placed like their base), before FSDP
@@ -30,7 +32,7 @@ def parallelize(model: nn.Module, par: Parallel, cfg: LadleConfig, device: torch
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint, device)
     if cfg.train.compile:
-        compile_blocks(model)
+        compile_blocks(model, eager_attention=lay.tp == 1)
     if lay.fsdp:
         shard = "dp_shard_cp" if lay.cp > 1 else "dp_shard"  # a CP group's ranks hold the same weights
         mesh = par.submesh("dp_replicate", shard) if lay.dp_replicate > 1 else par.submesh(shard)

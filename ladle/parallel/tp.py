@@ -15,6 +15,7 @@ gradients are summed over the TP group (a plain parameter would only see its loc
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -42,6 +43,8 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
         )
     parallelize_module(model, tp_mesh, plan)
+    if model.embed_tokens is not None:
+        model.embed_tokens.register_forward_hook(_wait_output)
     for _, block in model.blocks():
         plan = {
             "input_layernorm": SequenceParallel(),
@@ -65,6 +68,26 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
         if getattr(attn, "qk_norm", False):
             for norm in (attn.q_norm, attn.k_norm):
                 _heads_sharded(norm, tp_mesh)
+
+
+def enable_async_tp(tp_mesh) -> None:
+    """Async TP (torchtitan's option): inductor's micro-pipeline pass splits each all-gather ->
+    matmul and matmul -> reduce-scatter of the compiled blocks into chunks that overlap, over
+    symmetric memory of the TP group. CUDA only, and only under train.compile (checked before
+    launch). The pass sees whole blocks: under TP, attention is compiled too (compile.py)."""
+    import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def _wait_output(module, inputs, out):
+    """The embedding's reduce-scatter runs async: its output is an `AsyncCollectiveTensor`. A
+    compiled block given one returns a plain tensor as its input's gradient where DTensor's
+    backward needs a DTensor (torch 2.13), so the first block gets the finished tensor instead.
+    The copy is one (batch, seq / tp, dim) activation, and the norm would wait right there anyway."""
+    return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
 
 
 def _heads_sharded(norm: nn.Module, mesh) -> None:
