@@ -57,6 +57,19 @@ def test_cache_logits_equal_full_recompute():
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_logits_to_keep_computes_only_the_last_positions():
+    model = tiny_model(tie_embeddings=True)
+    tokens = torch.randint(0, 97, (2, 10))
+    with torch.no_grad():
+        full = model(tokens)
+        assert model(tokens, logits_to_keep=3).shape == (2, 3, 97)
+        torch.testing.assert_close(model(tokens, logits_to_keep=3), full[:, -3:])
+        cache = model.new_cache(2, 16)
+        last = model(tokens, cache=cache, logits_to_keep=1)
+        assert cache.length == 10  # the whole prompt is cached all the same
+    torch.testing.assert_close(last, full[:, -1:], atol=1e-5, rtol=1e-5)
+
+
 def test_top_k_1_equals_greedy():
     model = tiny_model()
     g = torch.Generator().manual_seed(0)

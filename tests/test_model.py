@@ -274,3 +274,28 @@ def test_sdpa_split_equals_one_call(masked):
         grads.append((y.detach(), *g))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_groups_query_heads_as_rows(dtype, tol, monkeypatch):
+    # A decode step on CPU (one query row, GQA, the cache's mask) puts the query heads that share
+    # a kv head in as rows of one head; the result is attention as defined, computed in fp64.
+    import torch.nn.functional as F
+
+    from ladle.models.llama import sdpa
+
+    torch.manual_seed(0)
+    B, H, K, D, S = 3, 8, 2, 16, 37
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, K, S, D), torch.randn(B, K, S, D)
+    mask = torch.rand(B, 1, 1, S) > 0.3
+    mask[..., -1] = True  # a query always sees itself
+    shapes = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda q, *a, **kw: shapes.append(q.shape) or real(q, *a, **kw)
+    )
+    y = sdpa(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    assert shapes == [(B, K, H // K, D)] and y.shape == (B, H, 1, D) and y.dtype == dtype
+    kk, vv = k.double().repeat_interleave(H // K, 1), v.double().repeat_interleave(H // K, 1)
+    scores = (q.double() @ kk.transpose(-1, -2) / math.sqrt(D)).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(y.double(), scores.softmax(-1) @ vv, atol=tol, rtol=tol)

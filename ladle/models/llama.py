@@ -213,7 +213,16 @@ class PackedMask:
 def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention when mask is None, else the boolean mask; k/v may have fewer heads (GQA)."""
     gqa = k.shape[1] != q.shape[1]
-    T = q.shape[2]
+    B, H, T, D = q.shape
+    if q.device.type == "cpu" and T == 1 and gqa and mask is not None:
+        # A decode step: one query row per head. The H / K query heads that share a kv head go in
+        # as that many rows of one head, so the CPU kernel reads each cached K/V block once for
+        # all of them (several times faster in bf16, docs/performance.md). The same sums in
+        # another blocking: equal to the GQA call up to rounding (tested). The mask (B, 1, 1, S)
+        # covers every row.
+        K = k.shape[1]
+        y = F.scaled_dot_product_attention(q.reshape(B, K, H // K, D), k, v, attn_mask=mask)
+        return y.view(B, H, 1, D)
     if q.device.type == "cpu" and T == k.shape[2] and T % 2 == 0 and T >= 128:
         # On CPU, SDPA's flash kernel computes every key for a causal block of rows (causal costs
         # as much as full attention here), so the first half of the queries, which see only the
@@ -278,14 +287,24 @@ class Llama(nn.Module):
         self.router_stats: list[tuple[torch.Tensor, ...]] = []
         self.init_weights()  # free on the meta device; build_model initialises again after to_empty
 
-    def forward(self, tokens, positions=None, doc_ids=None, cache: KVCache | None = None, attention=None):
-        """tokens (B, T) -> logits (B, T, vocab).
+    def forward(
+        self,
+        tokens,
+        positions=None,
+        doc_ids=None,
+        cache: KVCache | None = None,
+        attention=None,
+        logits_to_keep=0,
+    ):
+        """tokens (B, T) -> logits (B, T, vocab), or (B, logits_to_keep, vocab) for the last positions.
 
         positions (B, T): RoPE position of each token (default: 0.., or continuing after the cache).
         doc_ids (B, T): packed documents; a token attends only to earlier tokens with the same id.
         cache: generation; this call's keys are appended to it (doc_ids default to 1 there).
         attention: an object whose `attend(q, k, v)` replaces the causal or document attention
         (context parallelism passes one that joins the sequence's shards, ladle/parallel/cp.py).
+        logits_to_keep: > 0 computes the head for the last positions only (generation's prefill
+        needs one: the whole (B, T, vocab) would be 8 GiB for 8 x 2048 tokens of Llama 3).
         """
         B, T = tokens.shape[:2]  # (B, T), or (B, T, dim) hidden states at a pipeline stage
         start = cache.length if cache is not None else 0
@@ -321,9 +340,11 @@ class Llama(nn.Module):
             x = x[torch.argsort(mask.order)]  # back to the caller's row order
         if self.norm is None:  # a pipeline stage before the last hands its hidden states on
             return x
-        x = self.norm(x)
         if cache is not None:
             cache.length += T
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # the norm is per position: norm then slice is the same
+        x = self.norm(x)
         if self.cfg.tie_embeddings:
             return self.tied_head(x, self.embed_tokens.weight)  # (B, T, vocab)
         return self.lm_head(x)  # (B, T, vocab)

@@ -19,6 +19,7 @@ from ladle.data.sft import BadRecord, ChatEncoder, detect_format, to_messages
 from ladle.data.sources import iter_rows
 from ladle.errors import DataError
 from ladle.generation import generate
+from ladle.models.prepack import prepacked
 from ladle.rewards import Scorer, exact_match
 
 
@@ -68,21 +69,22 @@ def evaluate_generation(
     t0 = time.perf_counter()
     model.eval()
     correct, shown = 0, []
-    for b in range(0, len(items), batch_size):
-        chunk = items[b : b + batch_size]
-        outs = generate(
-            model,
-            [ids for ids, _, _ in chunk],
-            max_new_tokens=max_new_tokens,
-            pad_id=tok.pad_id or 0,
-            stop=lambda new: new[-1] in ends,
-        )
-        for (_, prompt, ref), new in zip(chunk, outs, strict=True):
-            answer = tok.decode([t for t in new if t not in ends])
-            ok = score(answer, ref)
-            correct += ok
-            if len(shown) < examples:
-                shown.append({"prompt": prompt, "answer": answer, "reference": ref, "correct": bool(ok)})
+    with prepacked(model, batch=batch_size):  # the weights packed once for every batch
+        for b in range(0, len(items), batch_size):
+            chunk = items[b : b + batch_size]
+            outs = generate(
+                model,
+                [ids for ids, _, _ in chunk],
+                max_new_tokens=max_new_tokens,
+                pad_id=tok.pad_id or 0,
+                stop=lambda new: new[-1] in ends,
+            )
+            for (_, prompt, ref), new in zip(chunk, outs, strict=True):
+                answer = tok.decode([t for t in new if t not in ends])
+                ok = score(answer, ref)
+                correct += ok
+                if len(shown) < examples:
+                    shown.append({"prompt": prompt, "answer": answer, "reference": ref, "correct": bool(ok)})
     return {
         "task": "generate",
         "data": str(data),
