@@ -69,10 +69,9 @@ def generate(
     `model` is a ladle Llama (anything with `new_cache` and `forward(tokens, positions, doc_ids,
     cache, logits_to_keep)`). The whole batch is prefilled in one forward pass, then one token per
     step through the KV cache. On the CPU the linear weights are packed for oneDNN first
-    (ladle/models/prepack.py; 1.6x the tokens/s on bench-30m in fp32, equal to the plain matmul up
-    to rounding); callers that generate many batches with the same weights wrap the calls in one
-    `prepacked(model)` to pack once. `prepack=False` keeps `F.linear` (bit-equal to the model's
-    own forward, as RL's logprob check may want).
+    (ladle/models/prepack.py; 1.5-1.8x the tokens/s of plain `F.linear` on bench-30m in fp32,
+    equal to it up to rounding); callers that generate many batches with the same weights wrap
+    the calls in one `prepacked(model)` to pack once. `prepack=False` keeps `F.linear`.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt needs at least one token")

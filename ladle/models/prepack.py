@@ -18,6 +18,7 @@ Nested contexts pack once. Inference only: the packed op has no backward.
 from __future__ import annotations
 
 import contextlib
+import platform
 
 import torch
 import torch.nn as nn
@@ -29,10 +30,11 @@ from ladle.models.llama import TiedHead
 def packable(w: torch.Tensor) -> bool:
     """A plain CPU matrix in a dtype oneDNN's packed kernel takes on this CPU. Not a DTensor or
     NF4 (those keep their own forward), nor an inference tensor, which has no version counter to
-    tell that it changed."""
+    tell that it changed. x86-64 only: the packed kernels were measured and tested there (Arm
+    builds route oneDNN through other libraries)."""
     if type(w) not in (nn.Parameter, torch.Tensor) or w.device.type != "cpu" or w.dim() != 2:
         return False
-    if w.is_inference():
+    if w.is_inference() or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     if not torch.backends.mkldnn.is_available():
         return False
