@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from bench30m import bench_config
 from train_throughput import prepare_data
 
 VARIANTS = {
@@ -58,22 +59,15 @@ def main() -> None:
         t0 = time.perf_counter()
         tok, data = prepare_data(work)
         res["prepare_s"] = round(time.perf_counter() - t0, 1)
-        cfg = {
-            "model": {**model, "max_seq_len": args.seq_len} if args.smoke else model,
-            "tokenizer": {"path": str(tok)},
-            "data": {"path": str(data), "seq_len": args.seq_len},
-            "optim": {"lr": 3e-4},
-            "scheduler": {"name": "constant"},
-            "train": {
-                "max_steps": args.warmup + args.steps,
-                "micro_batch_size": args.micro_batch,
-                "log_every": 1,
-                "eval_steps": 0,
-            },
-            "precision": {"mode": "bf16-mixed"},
-            "checkpoint": {"every": 0},
-            "sample": {"prompt": ""},
-        }
+        cfg = bench_config(
+            {**model, "max_seq_len": args.seq_len} if args.smoke else model,
+            tok,
+            data,
+            seq_len=args.seq_len,
+            steps=args.warmup + args.steps,
+            micro_batch=args.micro_batch,
+            precision="bf16-mixed",
+        )
         (work / "c.yaml").write_text(yaml.safe_dump(cfg))
         for name in args.variants:
             out = work / name.replace(" ", "_")

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from bench30m import BENCH_30M
+from bench30m import BENCH_30M, bench_config
 
 LAYOUTS = {
     "1 process": (1, {"train.micro_batch_size": 2}),
@@ -57,23 +57,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tok, data = prepare_data(work)
-        cfg = {
-            "model": {**BENCH_30M, "max_seq_len": 256},
-            "tokenizer": {"path": str(tok)},
-            "data": {"path": str(data), "seq_len": 256},
-            "scheduler": {"name": "constant"},
-            "train": {
-                "max_steps": args.steps,
-                "micro_batch_size": 1,
-                "grad_accum_steps": 2,
-                "log_every": 1,
-                "eval_steps": 0,
-                "threads": 1,
-            },
-            "precision": {"mode": "fp32"},
-            "checkpoint": {"every": 0},
-            "sample": {"prompt": ""},
-        }
+        cfg = bench_config(
+            {**BENCH_30M, "max_seq_len": 256},
+            tok,
+            data,
+            seq_len=256,
+            steps=args.steps,
+            micro_batch=1,
+            precision="fp32",
+            grad_accum_steps=2,
+            threads=1,
+        )
         (work / "c.yaml").write_text(yaml.safe_dump(cfg))
         names = ["1 process", *(n for n in args.layouts if n != "1 process")]  # the baseline always
         runs = [(name, False) for name in names] + ([(name, True) for name in names] if args.compile else [])

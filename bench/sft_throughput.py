@@ -27,11 +27,10 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from bench30m import BENCH_30M
+from bench30m import BENCH_30M, bench_config
 
 SEQ, MB = 512, 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,24 +55,11 @@ def ladle_run(tok, data, out, steps, warmup, lora: bool, compile: bool = False) 
     from ladle.recipes import sft
     from ladle.train.metrics import read_metrics
 
-    cfg = {
-        "output_dir": str(out),
-        "model": BENCH_30M,
-        "tokenizer": {"path": str(tok)},
-        "data": {"path": str(data), "seq_len": SEQ},
-        "optim": {"lr": 1e-4},
-        "scheduler": {"name": "constant"},
-        "train": {
-            "max_steps": warmup + steps,
-            "micro_batch_size": MB,
-            "log_every": 1,
-            "eval_steps": 0,
-            "compile": compile,
-        },
-        "precision": {"mode": "bf16-mixed"},
-        "checkpoint": {"every": 0},
-        "sample": {"prompt": ""},
-    }
+    cfg = bench_config(
+        BENCH_30M, tok, data, seq_len=SEQ, steps=warmup + steps, micro_batch=MB, precision="bf16-mixed",
+        lr=1e-4, compile=compile,
+    )  # fmt: skip
+    cfg["output_dir"] = str(out)
     if lora:
         cfg["lora"] = LORA
     sft.run(build_config(cfg))
@@ -81,7 +67,6 @@ def ladle_run(tok, data, out, steps, warmup, lora: bool, compile: bool = False) 
 
 
 def hf_run(data, out, steps, warmup, lora: bool) -> float:
-    import transformers
     from torch.utils.data import Dataset
 
     from ladle.data.packing import SFTSamples
@@ -101,7 +86,7 @@ def hf_run(data, out, steps, warmup, lora: bool) -> float:
                 "position_ids": torch.from_numpy(r["positions"]),
             }
 
-    from train_throughput import hf_bench30m
+    from train_throughput import hf_bench30m, hf_timed_train
 
     model = hf_bench30m()
     if lora:
@@ -111,42 +96,20 @@ def hf_run(data, out, steps, warmup, lora: bool) -> float:
             model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0)
         )
 
-    class Shifted(transformers.Trainer):
-        # The rows' labels are already the next tokens (masked); HF's loss would shift them again.
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
-            return torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), inputs["labels"].flatten(), ignore_index=-100
-            )
-
-    times: list[float] = []
-
-    class Timer(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-    args = transformers.TrainingArguments(
-        output_dir=str(out),
-        per_device_train_batch_size=MB,
-        max_steps=warmup + steps,
-        learning_rate=1e-4,
+    step_s = hf_timed_train(
+        model,
+        Rows(),
+        out,
+        steps=steps,
+        warmup=warmup,
+        batch=MB,
+        lr=1e-4,
         bf16=True,
-        use_cpu=not torch.cuda.is_available(),
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        optim="adamw_torch_fused",
-        lr_scheduler_type="constant",
-        disable_tqdm=True,
-        seed=0,
-        remove_unused_columns=False,
+        forward=lambda m, inputs: (
+            m(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
+        ),
     )
-    Shifted(model=model, args=args, train_dataset=Rows(), callbacks=[Timer()]).train()
-    return MB * SEQ / statistics.median(times[warmup:])
+    return MB * SEQ / step_s
 
 
 def memory() -> dict:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench30m import BENCH_30M
+from bench30m import BENCH_30M, bench_config
 
 EXCLUDE = ["site-packages/*", "test/*", "idlelib/idle_test/*", "lib2to3/tests/*"]
 
@@ -58,27 +58,17 @@ def ladle_run(
     from ladle.recipes import pretrain
     from ladle.train.metrics import read_metrics
 
-    cfg = build_config(
-        {
-            "output_dir": str(out),
-            "seed": 0,
-            "model": BENCH_30M,
-            "tokenizer": {"path": str(tok)},
-            "data": {"path": str(data), "seq_len": 512},
-            "optim": {"lr": 3e-4},
-            "scheduler": {"name": "constant"},
-            "train": {
-                "max_steps": warmup + steps,
-                "micro_batch_size": 8,
-                "log_every": 1,
-                "eval_steps": 0,
-                "compile": compile,
-            },
-            "precision": {"mode": precision},
-            "checkpoint": {"every": 0},
-            "sample": {"prompt": ""},
-        }
+    cfg = bench_config(
+        BENCH_30M,
+        tok,
+        data,
+        seq_len=512,
+        steps=warmup + steps,
+        micro_batch=8,
+        precision=precision,
+        compile=compile,
     )
+    cfg = build_config({"output_dir": str(out), "seed": 0, **cfg})
     pretrain.run(cfg)
     recs = [r for r in read_metrics(out) if "tokens_per_s" in r][warmup:]
     return {
@@ -109,7 +99,6 @@ def hf_bench30m():
 
 
 def hf_run(data: Path, steps: int, warmup: int, precision: str, out: Path) -> dict:
-    import transformers
     from torch.utils.data import Dataset
 
     from ladle.data.loader import PackedSamples
@@ -125,14 +114,30 @@ def hf_run(data: Path, steps: int, warmup: int, precision: str, out: Path) -> di
             s = samples.get(i)
             return {"input_ids": torch.from_numpy(s["tokens"]), "labels": torch.from_numpy(s["targets"])}
 
-    model = hf_bench30m()
+    step_s = hf_timed_train(
+        hf_bench30m(),
+        Packed(),
+        out,
+        steps=steps,
+        warmup=warmup,
+        batch=8,
+        lr=3e-4,
+        bf16=precision == "bf16-mixed",
+        forward=lambda model, inputs: model(input_ids=inputs["input_ids"]).logits,
+    )
+    return {"tokens_per_s": 8 * 512 / step_s}
+
+
+def hf_timed_train(model, dataset, out: Path, *, steps, warmup, batch, lr, bf16, forward) -> float:
+    """Median seconds of a step of transformers' Trainer after `warmup` steps. `forward(model,
+    inputs)` gives the logits; the loss is fp32 cross-entropy against `labels`, which are already
+    the next tokens (-100 ignored): HF's own loss would shift them again."""
+    import transformers
 
     class Shifted(transformers.Trainer):
-        # Our labels are already shifted (targets); HF's loss would shift them again.
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            logits = model(input_ids=inputs["input_ids"]).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), inputs["labels"].flatten())
-            return loss
+            logits = forward(model, inputs)
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), inputs["labels"].flatten())
 
     times: list[float] = []
 
@@ -145,10 +150,10 @@ def hf_run(data: Path, steps: int, warmup: int, precision: str, out: Path) -> di
 
     args = transformers.TrainingArguments(
         output_dir=str(out),
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=batch,
         max_steps=warmup + steps,
-        learning_rate=3e-4,
-        bf16=precision == "bf16-mixed",
+        learning_rate=lr,
+        bf16=bf16,
         use_cpu=not torch.cuda.is_available(),
         report_to=[],
         save_strategy="no",
@@ -158,10 +163,10 @@ def hf_run(data: Path, steps: int, warmup: int, precision: str, out: Path) -> di
         lr_scheduler_type="constant",
         disable_tqdm=True,
         seed=0,
+        remove_unused_columns=False,
     )
-    Shifted(model=model, args=args, train_dataset=Packed(), callbacks=[Timer()]).train()
-    step_s = statistics.median(times[warmup:])
-    return {"tokens_per_s": 8 * 512 / step_s}
+    Shifted(model=model, args=args, train_dataset=dataset, callbacks=[Timer()]).train()
+    return statistics.median(times[warmup:])
 
 
 def main() -> None:
