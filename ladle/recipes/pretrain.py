@@ -229,4 +229,10 @@ def run(cfg: LadleConfig, recipe: str = "pretrain", samples=packed_samples) -> s
         ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     run_dir.events(f"run {status} at step {trainer.step}; results in {run_dir.dir}")
+    # Every rank waits for rank 0's sample and run card, then all leave the process group
+    # together: a rank whose process exits with its group alive can abort in gloo's threads
+    # ("terminate called without an active exception") while rank 0 still works, and torchrun
+    # then reports the finished run as failed.
+    dist.barrier()
+    dist.shutdown()
     return status
