@@ -245,13 +245,25 @@ def cmd_export_peft(args) -> int:
     return 0
 
 
+def load_for_inference(args):
+    """(model, tokenizer, device) for generate and eval: on --device, in --dtype."""
+    import torch
+
+    from ladle import device as dev
+    from ladle.train.export import load_any_model
+
+    device = dev.pick_device(args.device, field="--device")
+    dev.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    return (*load_any_model(args.model, device=device, dtype=dtype, tokenizer=args.tokenizer), device)
+
+
 def cmd_eval(args) -> int:
     import json
 
     from ladle.train.evaluate import check_data_fits, evaluate
-    from ladle.train.export import load_any_model
 
-    model, tok = load_any_model(args.model, tokenizer=args.tokenizer)
+    model, tok, device = load_for_inference(args)
     if args.task == "generate":
         from ladle.rewards import scorer
         from ladle.train.task_eval import evaluate_generation
@@ -268,19 +280,20 @@ def cmd_eval(args) -> int:
             batch_size=args.batch_size,
             limit=args.limit,
         )
-        print(json.dumps({"model": str(args.model), **result}))
-        return 0
-    check_data_fits(args.data, tok, model.cfg.vocab_size)
-    result = evaluate(
-        model,
-        args.data,
-        split=args.split,
-        seq_len=args.seq_len or min(model.cfg.max_seq_len, 1024),
-        batch_size=args.batch_size,
-        max_batches=args.max_batches,
-        doc_mask=not args.no_doc_mask,
-    )
-    print(json.dumps({"model": str(args.model), "data": str(args.data), **result}))
+    else:
+        check_data_fits(args.data, tok, model.cfg.vocab_size)
+        result = evaluate(
+            model,
+            args.data,
+            split=args.split,
+            seq_len=args.seq_len or min(model.cfg.max_seq_len, 1024),
+            batch_size=args.batch_size,
+            max_batches=args.max_batches,
+            doc_mask=not args.no_doc_mask,
+            device=device,
+        )
+        result = {"data": str(args.data), **result}
+    print(json.dumps({"model": str(args.model), **result, "device": str(device), "dtype": args.dtype}))
     return 0
 
 
@@ -288,9 +301,8 @@ def cmd_generate(args) -> int:
     import torch
 
     from ladle.generation import generate, stop_strings, truncate_at_stop
-    from ladle.train.export import load_any_model
 
-    model, tok = load_any_model(args.model, tokenizer=args.tokenizer)
+    model, tok, _ = load_for_inference(args)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise LadleError(
@@ -478,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-doc-mask", action="store_true", help="plain causal rows, as transformers computes them"
     )
     s.add_argument("--tokenizer", default=None, help="default: the model's own")
+    add_inference_args(s)
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("generate", help="sample from a checkpoint or Hugging Face folder")
@@ -494,8 +507,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop", action="append", help="repeatable; a row ends at this text, which is cut from the output"
     )
     s.add_argument("--json", action="store_true")
+    add_inference_args(s)
     s.set_defaults(fn=cmd_generate)
     return p
+
+
+def add_inference_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--device",
+        default="auto",
+        help="auto (the accelerator when there is one, else the CPU), cpu, cuda or npu",
+    )
+    s.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="of the loaded weights"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,8 +46,9 @@ def _has_npu() -> bool:
     return hasattr(torch, "npu") and torch.npu.is_available()
 
 
-def pick_device(pref: str = "auto", local_rank: int = 0) -> torch.device:
-    """`auto` takes the accelerator when there is one (CUDA, then NPU), else the CPU."""
+def pick_device(pref: str = "auto", local_rank: int = 0, field: str = "train.device") -> torch.device:
+    """`auto` takes the accelerator when there is one (CUDA, then NPU), else the CPU. `field` is
+    where the choice came from, for the error message."""
     if pref == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -57,11 +58,11 @@ def pick_device(pref: str = "auto", local_rank: int = 0) -> torch.device:
     try:
         dev = torch.device(pref)
     except RuntimeError:
-        raise ConfigError(f"train.device: unknown device '{pref}'; use auto, cpu, cuda or npu") from None
+        raise ConfigError(f"{field}: unknown device '{pref}'; use auto, cpu, cuda or npu") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+        raise ConfigError(f"{field}=cuda but no CUDA device is visible; use {field}=auto or cpu")
     if dev.type == "npu" and not _has_npu():
-        raise ConfigError("train.device=npu but torch_npu finds no NPU; use train.device=auto or cpu")
+        raise ConfigError(f"{field}=npu but torch_npu finds no NPU; use {field}=auto or cpu")
     if dev.type in ("cuda", "npu") and dev.index is None:
         dev = torch.device(dev.type, local_rank)
     return dev

@@ -209,3 +209,47 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(trained_run, corpus, t
     for cmd in (["generate", "--prompt", "x"], ["eval", "--data", str(tmp_path)]):
         assert main([cmd[0], "--model", str(trained_run), "--tokenizer", str(big), *cmd[1:]]) == 2
         assert "more than the 512 embedding rows" in capsys.readouterr().err
+
+
+def test_generate_and_eval_load_on_device_in_dtype(trained_run, data_dir, capsys):
+    from ladle.generation import generate
+    from ladle.tokenizer import load_tokenizer
+    from ladle.train.export import load_checkpoint_model
+
+    args = ["generate", "--model", str(trained_run), "--prompt", "def ", "--max-new-tokens", "8", "--json"]
+    assert main([*args, "--device", "cpu", "--dtype", "bfloat16"]) == 0
+    got = json.loads(capsys.readouterr().out)["tokens"]
+    model, _, run_cfg = load_checkpoint_model(trained_run, dtype=torch.bfloat16)
+    tok = load_tokenizer(run_cfg["tokenizer"]["path"])
+    assert got == generate(model, [tok.encode("def ")], max_new_tokens=8, eos_id=tok.eos_id)[0]
+
+    base = [
+        "eval",
+        "--model",
+        str(trained_run),
+        "--data",
+        str(data_dir),
+        "--seq-len",
+        "32",
+        "--max-batches",
+        "2",
+    ]
+    assert main(base) == 0
+    fp32 = json.loads(capsys.readouterr().out)
+    assert main([*base, "--dtype", "bfloat16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert (fp32["device"], fp32["dtype"], bf16["dtype"]) == ("cpu", "float32", "bfloat16")
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=2e-2) and bf16["loss"] != fp32["loss"]
+
+    if not torch.cuda.is_available():
+        assert main([*args, "--device", "cuda"]) == 2
+        assert "--device=cuda but no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_a_finished_run_leaves_the_process_group(trained_run):
+    # Every rank waits for rank 0's sample and run card, then all destroy the group together: a
+    # rank that exited with its group alive could abort in gloo's threads while rank 0 still
+    # worked, and torchrun then failed the finished run.
+    import torch.distributed as dist
+
+    assert (trained_run / "run_card.json").is_file() and not dist.is_initialized()
