@@ -44,6 +44,28 @@ def test_packed_forward_equals_plain_and_is_undone(tied, monkeypatch):
             model(tokens)
 
 
+def test_lora_bases_and_adapters_are_packed(monkeypatch):
+    from ladle.config.schema import LoRAConfig
+    from ladle.models.lora import apply_lora
+
+    model = tiny()
+    apply_lora(model, LoRAConfig(targets=["q_proj", "v_proj", "down_proj"], rank=4, dora=True), seed=0)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_B"):
+                m.lora_B.weight.normal_(0, 0.3)  # adapters that change the output
+    model.eval()
+    tokens = torch.randint(0, 97, (2, 6))
+    with torch.inference_mode():
+        plain = model(tokens)
+        with prepacked(model):
+            monkeypatch.setattr(F, "linear", no_plain_linear)  # bases, adapters and the rest packed
+            packed = model(tokens)
+            monkeypatch.undo()
+        assert not any("base" in vars(m) or "forward" in vars(m) for m in model.modules())
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bf16 oneDNN on this CPU")
 def test_packed_bf16_close_to_plain():
     model = tiny(torch.bfloat16)

@@ -8,8 +8,9 @@ products then run about twice as fast (bench-30m's batch-8 decode matmuls on a 2
 fp32 and bf16: docs/performance.md). The results agree with `F.linear` to rounding (another
 summation order), not bit for bit.
 
-`prepacked(model, batch)` is a context: inside it every plain `nn.Linear` of a CPU model, and the
-tied head, computes with a packed copy of its weight; on leaving, the modules are as they were and
+`prepacked(model, batch)` is a context: inside it every plain `nn.Linear` of a CPU model, the
+frozen base of each LoRA/DoRA layer (not an NF4 one) and the tied head compute with a packed copy
+of their weight; on leaving, the modules are as they were and
 the copies are freed. A weight changed in place inside the context (its version counter moves) or
 replaced is packed again before its next use, so a product is never computed with stale weights.
 Nested contexts pack once. Inference only: the packed op has no backward.
@@ -25,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ladle.models.llama import TiedHead
+from ladle.models.lora import LoRALinear
 
 
 def packable(w: torch.Tensor) -> bool:
@@ -75,6 +77,8 @@ def prepacked(model: nn.Module, batch: int = 1):
     for m in model.modules():
         if type(m) is nn.Linear and packable(m.weight):
             m.forward = _linear_forward(m, PackedWeight(batch))
+        elif isinstance(m, LoRALinear) and "weight" in m._parameters and packable(m.weight):
+            m.base = _lora_base(m, PackedWeight(batch))  # the adapters are plain linears, packed too
         elif isinstance(m, TiedHead) and embed is not None and packable(embed.weight):
             m.forward = _tied_forward(embed, PackedWeight(batch))
         else:
@@ -84,13 +88,18 @@ def prepacked(model: nn.Module, batch: int = 1):
     try:
         yield
     finally:
-        for m in patched:
-            del m.forward  # the class's forward again; the packed copies go with the closures
+        for m in patched:  # the class's methods again; the packed copies go with the closures
+            vars(m).pop("forward", None)
+            vars(m).pop("base", None)
         model._ladle_prepacked = False
 
 
 def _linear_forward(m: nn.Linear, pw: PackedWeight):
     return lambda x: pw.linear(x, m.weight, m.bias)
+
+
+def _lora_base(m: LoRALinear, pw: PackedWeight):
+    return lambda x, bias=True: pw.linear(x, m.weight, m.bias if bias else None)
 
 
 def _tied_forward(embed: nn.Embedding, pw: PackedWeight):
