@@ -7,10 +7,10 @@ twice: as it comes (on the CPU its linear weights are packed for oneDNN at the s
 matmul kernels transformers uses). Prints one JSON line with new tokens/s of each, the ratios to
 transformers, how many leading tokens of each row agree with transformers', and the time of one
 decode step's matmuls alone, plain and packed (`decode_matmuls`), and of one layer's attention
-at the last step (`decode_attention`). `prefill` compares the two
-models' plain forwards on the prompts: the largest difference of the last position's logits and
-the smallest gap between the top two logits of a row (a gap under that difference is a near-tie
-that greedy decoding may resolve either way):
+at the last step (`decode_attention`). `prefill` compares the two models' plain forwards on the
+prompts: the largest difference of the last position's logits and the smallest gap between the
+top two logits of a row (a gap under that difference is a near-tie that greedy decoding may
+resolve either way):
 
     python bench/generate_throughput.py [--repeats 3] [--dtype float32|bfloat16] [--prompt-seed S]
 

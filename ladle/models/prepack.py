@@ -10,10 +10,10 @@ summation order), not bit for bit.
 
 `prepacked(model, batch)` is a context: inside it every plain `nn.Linear` of a CPU model, the
 frozen base of each LoRA/DoRA layer (not an NF4 one) and the tied head compute with a packed copy
-of their weight; on leaving, the modules are as they were and
-the copies are freed. A weight changed in place inside the context (its version counter moves) or
-replaced is packed again before its next use, so a product is never computed with stale weights.
-Nested contexts pack once. Inference only: the packed op has no backward.
+of their weight; on leaving, the modules are as they were and the copies are freed. A weight
+changed in place inside the context (its version counter moves) or replaced is packed again
+before its next use, so a product is never computed with stale weights. Nested contexts pack
+once. Inference only: the packed op has no backward.
 """
 
 from __future__ import annotations
