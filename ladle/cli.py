@@ -90,13 +90,19 @@ def cmd_run(args) -> int:
 
     recipe = _recipe(args.recipe)
     cfg = load_config(args.config, args.overrides)
+    if args.rdzv_id:  # the job's id in every attempt: a restarted one resumes by itself
+        os.environ["LADLE_JOB_ID"] = args.rdzv_id
     if args.nproc > 1 or args.nnodes > 1:
-        from ladle.train.run import resolve_resume
+        from functools import partial
 
-        # Fail here, once, before torchrun starts N processes: the layout, the paths, and a
-        # start over another run's checkpoints (resolve_resume writes nothing).
+        from ladle.train.checkpoint import verify
+        from ladle.train.run import resolve_resume, restart_reason
+
+        # Fail here, once, before torchrun starts N processes: the layout, the paths, a start
+        # over another run's checkpoints, a resume with none whole (sizes only: the workers share
+        # out the checksums). resolve_resume writes nothing.
         checked, _ = _checked(cfg, args.nproc * args.nnodes, recipe=args.recipe)
-        resolve_resume(checked)
+        resolve_resume(checked, restart_reason(checked.output_dir), check=partial(verify, share=None))
         return _torchrun(args)
     status = recipe.run(cfg)
     return 0 if status in ("completed", "exit", "SIGTERM", "SIGINT") else 1
@@ -116,10 +122,16 @@ def _torchrun(args) -> int:
     ]
     if args.rdzv_endpoint:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+        cmd += [f"--rdzv-id={args.rdzv_id}"] if args.rdzv_id else []
     else:
         cmd += ["--standalone"]
     cmd += ["-m", "ladle", "run", args.recipe, "--config", args.config, *args.overrides]
-    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # Each attempt's workers get a TCP store of their own. The store torchrun's agent shares with
+    # them by default outlives an attempt, and the gloo addresses of the killed one left in it
+    # made a restarted attempt connect to dead ranks (connectFullMesh: connection refused).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return subprocess.call(cmd, env=env)
 
 
 def cmd_launch_slurm(args) -> int:
@@ -245,6 +257,23 @@ def cmd_export_peft(args) -> int:
     return 0
 
 
+def cmd_checkpoint_verify(args) -> int:
+    from ladle.train.checkpoint import check_report
+
+    report = check_report(args.path)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for c in report["checkpoints"]:
+            state = f"whole ({c['files']} files, {c['bytes'] / 2**20:,.1f} MiB)" if c["whole"] else "DAMAGED"
+            print(f"{c['path']}: {state}")
+            for name, why in c["problems"].items():
+                print(f"  {name}: {why}")
+        for note in report["notes"]:
+            print(note)
+    return 0 if report["whole"] else 2
+
+
 def load_for_inference(args):
     """(model, tokenizer, device) for generate and eval: on --device, in --dtype."""
     import torch
@@ -362,7 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nnodes", type=int, default=1)
     s.add_argument("--node-rank", type=int, default=0)
     s.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the c10d rendezvous")
-    s.add_argument("--max-restarts", type=int, default=0)
+    s.add_argument(
+        "--rdzv-id",
+        default=None,
+        help="the job's id, the same on every node and in every attempt: an attempt started again "
+        "with it (a requeue, a replaced node) resumes the run by itself",
+    )
+    s.add_argument(
+        "--max-restarts", type=int, default=0, help="torchrun restarts a failed job this often; each resumes"
+    )
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_run)
 
@@ -461,6 +498,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="a checkpoints/step_* folder or a run directory (its latest)")
     e.add_argument("out")
     e.set_defaults(fn=cmd_export_peft)
+
+    s = sub.add_parser("checkpoint", help="checkpoint tools")
+    csub = s.add_subparsers(dest="checkpoint_command", required=True, metavar="COMMAND")
+    c = csub.add_parser(
+        "verify",
+        help="check a checkpoint (or all of a run's) against its manifest: files, sizes, sha256; "
+        "exit 2 when one is damaged",
+    )
+    c.add_argument("path", help="a checkpoints/step_* folder or a run directory")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_checkpoint_verify)
 
     s = sub.add_parser(
         "eval",

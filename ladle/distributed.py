@@ -14,10 +14,14 @@ import torch.distributed as dist
 
 from ladle import device as dev
 
+_device = torch.device("cpu")  # where this process group's collectives take their tensors
+
 
 def init(device: torch.device, timeout_s: float = 600.0) -> None:
+    global _device
     if dist.is_initialized():
         return
+    _device = device
     backend = dev.backend_for(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -30,6 +34,10 @@ def init(device: torch.device, timeout_s: float = 600.0) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def collective_device() -> torch.device:
+    return _device
 
 
 def rank() -> int:

@@ -5,6 +5,11 @@ Slurm starts one task per node (`srun --ntasks-per-node=1`); each runs `ladle ru
 and meets the others at the c10d rendezvous on the first node. The config and the layout are
 checked for N x G processes before the script is written, so a job that cannot start is never
 queued.
+
+The job may be requeued (`--requeue`: a failed node, a pre-emption). Every attempt passes the
+SLURM job id as `--rdzv-id`, which the run card records: a requeued attempt finds its own job
+there and resumes from the newest whole checkpoint, whatever `train.resume` says, while a new
+job over the same output_dir is still refused.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ TEMPLATE = """#!/bin/bash
 {gpus_line}#SBATCH --cpus-per-task={cpus}
 #SBATCH --time={time}
 #SBATCH --output={log_dir}/%x-%j.out
+#SBATCH --requeue
+#SBATCH --open-mode=append
 {extra}
 set -euo pipefail
 cd {workdir}
@@ -36,7 +43,7 @@ export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\
   {ladle} run {recipe} --config {config} \\
   --nproc {gpus} --nnodes {nodes} \\
-  --rdzv-endpoint "$head_node:{port}" --max-restarts {max_restarts} \\
+  --rdzv-endpoint "$head_node:{port}" --rdzv-id "$SLURM_JOB_ID" --max-restarts {max_restarts} \\
   {overrides}
 """
 

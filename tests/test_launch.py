@@ -6,6 +6,7 @@ import subprocess
 import yaml
 
 from ladle.cli import main
+from ladle.config.load import build_config
 
 
 def write_cfg(tiny_config, tmp_path):
@@ -36,6 +37,7 @@ def test_sbatch_script_starts_one_torchrun_per_node(tiny_config, tmp_path, capsy
         "#SBATCH --nodes=2",
         "#SBATCH --gpus-per-node=4",
         "#SBATCH --partition=gpu",
+        "#SBATCH --requeue",
         "export NCCL_DEBUG=WARN",
     ]:
         assert line in text, line
@@ -53,6 +55,7 @@ def test_sbatch_script_starts_one_torchrun_per_node(tiny_config, tmp_path, capsy
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "SLURM_JOB_NODELIST": "node-[a-b]",
         "SLURM_NODEID": "1",
+        "SLURM_JOB_ID": "4242",
     }
     subprocess.run(["bash", str(script)], check=True, env=env, timeout=30)
     args = (tmp_path / "srun.args").read_text().split("\n")
@@ -61,6 +64,7 @@ def test_sbatch_script_starts_one_torchrun_per_node(tiny_config, tmp_path, capsy
     got = dict(zip(args[i + 3 :: 2], args[i + 4 :: 2], strict=False))
     assert got["--config"] == str(cfg) and got["--nproc"] == "4" and got["--nnodes"] == "2"
     assert got["--rdzv-endpoint"] == "node-a:29500" and "--node-rank" not in got  # c10d assigns it
+    assert got["--rdzv-id"] == "4242"  # the same in a requeued attempt: it resumes by itself
     assert args[-3:-1] == ["parallel.tp=2", "optim.lr=1e-4"]
 
 
@@ -72,3 +76,75 @@ def test_a_layout_that_does_not_fit_writes_no_script(tiny_config, tmp_path, caps
     assert main([*argv, "--output", str(script), "parallel.tp=4"]) == 2
     assert "tp=4 x pp=1 x cp=1 = 4 does not divide the world size 6" in capsys.readouterr().err
     assert not script.exists()
+
+
+def test_a_requeued_job_resumes_and_a_new_job_is_refused(tiny_config, tmp_path, monkeypatch):
+    """The script run as SLURM runs it, its srun a stand-in that starts the command here: killed
+    after step 7, then requeued (same job id): it resumes from step 5 by itself and ends like an
+    uninterrupted run; another job over the same output_dir is refused."""
+    from ladle.recipes import pretrain
+    from ladle.train.metrics import read_metrics
+
+    monkeypatch.chdir(tmp_path)
+    tiny_config["train"].update(max_steps=10, eval_every=0)
+    tiny_config["checkpoint"]["every"] = 5
+    cfg = write_cfg(tiny_config, tmp_path)
+    script = tmp_path / "job.sbatch"
+    out = tmp_path / "run"
+    argv = ["launch", "slurm", "pretrain", "--config", str(cfg), "--nodes", "1", "--gpus-per-node", "1"]
+    assert main([*argv, "--output", str(script), f"output_dir={out}"]) == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost"}
+
+    def job(job_id, **extra):
+        return subprocess.run(
+            ["bash", str(script)],
+            env={**env, "SLURM_JOB_ID": job_id, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    first = job("4242", LADLE_FAULT="kill:7")
+    assert first.returncode != 0 and "LADLE_FAULT: kill at step 7" in first.stdout
+    requeued = job("4242", SLURM_RESTART_COUNT="1")
+    assert requeued.returncode == 0, requeued.stdout[-3000:] + requeued.stderr[-3000:]
+    events = (out / "events.log").read_text()
+    assert "restarted attempt: job 4242 (--rdzv-id) started again; resuming from step_00000005" in events
+    other = job("5151")
+    assert other.returncode == 2 and f"output_dir {out} already holds checkpoints" in other.stderr
+
+    full = tmp_path / "full"
+    pretrain.run(build_config(tiny_config, [f"output_dir={full}"]))
+    loss = lambda d: {r["step"]: r["loss"] for r in read_metrics(d) if "loss" in r}  # noqa: E731
+    assert loss(out) == loss(full)
+
+
+def test_restart_evidence(tmp_path, monkeypatch):
+    """Which attempts count as restarts of the job recorded in the run card."""
+    import json
+
+    from ladle.train.run import restart_reason
+
+    for var in ("TORCHELASTIC_RESTART_COUNT", "LADLE_JOB_ID", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "run_card.json").write_text(json.dumps({"job": {"id": "77", "attempt": 0}}))
+    assert restart_reason(tmp_path) is None  # a plain new run
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert "torchrun restarted the workers of this job (2 restarts so far)" in restart_reason(tmp_path)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert restart_reason(tmp_path) is None  # a second run inside one allocation: a new job
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert restart_reason(tmp_path) == "SLURM requeued job 77 (restart 1)"
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    assert restart_reason(tmp_path) is None  # another job
+    monkeypatch.setenv("LADLE_JOB_ID", "77")
+    assert restart_reason(tmp_path) == "job 77 (--rdzv-id) started again"
+    (tmp_path / "run_card.json").write_text("{damaged")
+    assert restart_reason(tmp_path) is None

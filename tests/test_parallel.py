@@ -4,6 +4,7 @@ against one process (fp32, same global batch, same samples)."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,10 +177,13 @@ def write_config(tiny_config, path, model):
     return path
 
 
-def launch(cfg_file, out, nproc, *overrides, recipe="pretrain"):
+def launch(cfg_file, out, nproc, *overrides, recipe="pretrain", env=None):
     cmd = [sys.executable, "-m", "ladle", "run", recipe, "--config", str(cfg_file), "--nproc", str(nproc)]
-    r = subprocess.run([*cmd, f"output_dir={out}", *overrides], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [*cmd, f"output_dir={out}", *overrides], capture_output=True, text=True, timeout=300, env=env
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout + r.stderr
 
 
 def final_weights(run_dir, cfg_file):
@@ -368,8 +372,34 @@ def test_resume_with_another_layout_continues_exactly(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_nodes_on_localhost_train_and_checkpoint(reference, tmp_path):
-    """Two `ladle run --nnodes 2` processes meeting at a c10d rendezvous, one process each."""
+def test_a_killed_rank_comes_back_with_max_restarts(reference, tmp_path):
+    """One rank of a 2-process FSDP job SIGKILLed after step 7: torchrun restarts the job, whose
+    new attempt resumes from step 5 by itself (no train.resume) and ends like one process."""
+    import os
+
+    cfg_file, one = reference
+    out = tmp_path / "restarted"
+    env = {**os.environ, "LADLE_FAULT": "kill:7:1"}
+    text = launch(
+        cfg_file, out, 2, "parallel.dp_shard=2", "train.micro_batch_size=1", "--max-restarts", "1", env=env
+    )
+    assert "LADLE_FAULT: kill at step 7 on rank 1" in text
+    events = (out / "events.log").read_text()
+    assert (
+        "restarted attempt: torchrun restarted the workers of this job (1 restart so far); resuming from "
+        in events
+    )
+    assert f"resumed from {out}/checkpoints/step_00000005 at step 5" in events
+    assert_same_run(one, out, cfg_file)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_lose_one_and_come_back(reference, tmp_path):
+    """Two `ladle run --nnodes 2` (one process each) at a c10d rendezvous; the second node is
+    lost after step 7 (its launcher, torchrun agent and worker SIGKILLed). A replacement node
+    started with the same --rdzv-id joins the surviving node's new rendezvous round, and the job
+    resumes from step 5 and ends like one process."""
+    import os
     import socket
 
     cfg_file, one = reference
@@ -377,21 +407,46 @@ def test_two_nodes_on_localhost_train_and_checkpoint(reference, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "nodes"
-    base = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(cfg_file), "--nproc", "1"]
-    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    overrides = [f"output_dir={out}", "train.micro_batch_size=1"]
-    procs = [
-        subprocess.Popen(
-            [*base, *common, "--node-rank", str(r), *overrides],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in (0, 1)
+    cmd = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(cfg_file), "--nproc", "1"]
+    cmd += [
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "job-17",
+        "--max-restarts",
+        "1",
     ]
-    for p in procs:
+    cmd += [f"output_dir={out}", "train.micro_batch_size=1"]
+
+    def node(**env):
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}
+        )
+
+    first = node()
+    deadline = time.time() + 120  # the first node hosts the rendezvous store: the lost one must not
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.time() < deadline and first.poll() is None, "the first node did not start"
+            time.sleep(0.2)
+    lost = node(LADLE_FAULT="kill-node:7")
+    text, _ = lost.communicate(timeout=300)
+    assert lost.returncode == -9 and "LADLE_FAULT: kill-node at step 7" in text, text[-3000:]
+    replacement = node()
+    for p in (first, replacement):
         text, _ = p.communicate(timeout=300)
         assert p.returncode == 0, text[-3000:]
+    events = (out / "events.log").read_text()
+    assert (
+        "restarted attempt: " in events
+        and f"resumed from {out}/checkpoints/step_00000005 at step 5" in events
+    )
+    assert json.loads((out / "run_card.json").read_text())["job"]["id"] == "job-17"
     assert_same_run(one, out, cfg_file)
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000010"
 

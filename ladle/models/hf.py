@@ -462,15 +462,17 @@ def read_init_config(path) -> ModelConfig:
     the model section of a ladle checkpoint (or run directory, its latest checkpoint)."""
     if is_hf_folder(path) or not Path(path).is_dir():
         return read_hf_config(path)
-    from ladle.train.export import checkpoint_config, resolve_checkpoint
+    from functools import partial
 
-    try:
-        ckpt = resolve_checkpoint(path)
-    except CheckpointError:
+    from ladle.train.checkpoint import is_checkpoint, resolve_checkpoint, verify
+    from ladle.train.export import checkpoint_config
+
+    if not (is_checkpoint(path) or (Path(path) / "checkpoints").is_dir()):
         raise CheckpointError(
             f"{path}: no config.json and no ladle checkpoint; model.init_from takes a Hugging Face model "
             "folder, a ladle checkpoint or a run directory"
-        ) from None
+        )
+    ckpt = resolve_checkpoint(path, check=partial(verify, share=None))  # the shape only: sizes
     model = {k: v for k, v in checkpoint_config(ckpt)["model"].items() if k != "init_from"}
     return ModelConfig.model_validate(model)
 

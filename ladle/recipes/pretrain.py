@@ -27,11 +27,10 @@ from ladle.parallel.compile import eager
 from ladle.parallel.init import materialize
 from ladle.parallel.mesh import Layout, Parallel, check_layout
 from ladle.parallel.parallelize import build_pipeline, gather_model, parallelize
-from ladle.train.checkpoint import load_model_weights
-from ladle.train.export import resolve_checkpoint
+from ladle.train.checkpoint import load_model_weights, resolve_checkpoint, verify_on_all_ranks
 from ladle.train.loop import Trainer
 from ladle.train.metrics import flops_per_token
-from ladle.train.run import RunDir, resolve_resume, throughput_summary
+from ladle.train.run import Resume, RunDir, resolve_resume, restart_reason, throughput_summary
 
 
 def packed_samples(cfg: LadleConfig, split: str, found: dict) -> PackedSamples:
@@ -43,12 +42,13 @@ def build_trainer(
     cfg: LadleConfig,
     device: torch.device,
     found: dict,
-    resume,
+    resume: Resume | None,
     par: Parallel | None = None,
     recipe: str = "pretrain",
     samples=packed_samples,  # (cfg, split, found) -> rows with len() and get(i), as PackedSamples
 ) -> Trainer:
     par = par or Parallel(Layout(), device)
+    resume = resume or Resume(None)
     run = RunDir(cfg, device, recipe=recipe, resume=resume)
     t = cfg.train
     # Each data-parallel rank reads its own slice of every global batch; a TP group shares one.
@@ -58,8 +58,8 @@ def build_trainer(
     param_dtype = torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float32
     # A resumed run's weights come from its checkpoint; an adapter run's checkpoints hold only the
     # adapters, so its frozen base is loaded from init_from (or the seeded init) every time.
-    init = cfg.model.init_from if resume is None or cfg.lora else None
-    fresh = resume is None or cfg.lora is not None
+    init = cfg.model.init_from if resume.path is None or cfg.lora else None
+    fresh = resume.path is None or cfg.lora is not None
     hf = init if init and is_hf_folder(init) else None
     ckpt = resolve_checkpoint(init) if init and not hf else None  # a ladle checkpoint's weights only
     pipeline = None
@@ -151,8 +151,8 @@ def build_trainer(
         tokenizer_hash=found["tokenizer"].hash,
         data={"path": cfg.data.path, "train_samples": len(train), "val_samples": len(val)},
     )
-    if resume is not None:
-        trainer.resume_from(resume)
+    if resume.path is not None:
+        trainer.resume_from(resume.path)
     return trainer
 
 
@@ -195,10 +195,28 @@ def run(cfg: LadleConfig, recipe: str = "pretrain", samples=packed_samples) -> s
     own) and writes the run card; returns the loop's status."""
     cfg = resolve_config(cfg)  # model.init_from: the shape comes from the checkpoint
     found = check_all(cfg, recipe)  # tokenizer and data, before anything is written
-    resume = resolve_resume(cfg)
     device = dev.pick_device(cfg.train.device, dist.local_rank())
     dev.set_device(device)
     dist.init(device)
+    try:
+        status = _train(cfg, recipe, samples, found, device)
+        # Every rank waits for rank 0's sample and run card, then all leave the process group
+        # together: a rank whose process exits with its group alive can abort in gloo's threads
+        # ("terminate called without an active exception") while rank 0 still works, and torchrun
+        # then reports the finished run as failed.
+        dist.barrier()
+    finally:
+        dist.shutdown()
+    return status
+
+
+def _train(cfg: LadleConfig, recipe: str, samples, found: dict, device: torch.device) -> str:
+    # A restart on one rank is one on all (a replaced node's own attempt count starts at 0); the
+    # ranks share out the checksums of the checkpoints they consider.
+    restart = restart_reason(cfg.output_dir)
+    if dist.any_rank(restart is not None, device):
+        restart = restart or "another rank's attempt is a restart of this job"
+    resume = resolve_resume(cfg, restart, check=verify_on_all_ranks)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     par = Parallel(check_layout(cfg, dist.world_size()), device, cfg.parallel.cp_attention)
@@ -229,10 +247,4 @@ def run(cfg: LadleConfig, recipe: str = "pretrain", samples=packed_samples) -> s
         ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     run_dir.events(f"run {status} at step {trainer.step}; results in {run_dir.dir}")
-    # Every rank waits for rank 0's sample and run card, then all leave the process group
-    # together: a rank whose process exits with its group alive can abort in gloo's threads
-    # ("terminate called without an active exception") while rank 0 still works, and torchrun
-    # then reports the finished run as failed.
-    dist.barrier()
-    dist.shutdown()
     return status

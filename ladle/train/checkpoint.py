@@ -1,4 +1,5 @@
-"""Checkpoints of the whole training state, through torch.distributed.checkpoint (DCP).
+"""Checkpoints of the whole training state, through torch.distributed.checkpoint (DCP), and the
+folder that holds them: which checkpoint is whole, which one a run resumes from, which are pruned.
 
 Layout of `checkpoints/step_00000100/`:
 
@@ -6,22 +7,31 @@ Layout of `checkpoints/step_00000100/`:
     trainer_state.json        step, tokens, data position, scheduler, loss scaler, config hash
     rng/rank_00000.safetensors the RNG state of every rank
     config.yaml               the resolved config of the run that wrote it
+    manifest.json             every file above with its size and sha256, written last
 
-Nothing is pickled: DCP tensors, JSON and safetensors only. A checkpoint is written under a
-temporary name (`.step_00000100.tmp`), renamed when every rank has finished, and only then is
-`checkpoints/latest` (a text file with the folder name) replaced, atomically. Old checkpoints are
-removed only after a newer one is complete, so a crash or a full disk at any moment leaves the
-previous checkpoint whole and `latest` pointing to it.
+Nothing is pickled: DCP tensors, JSON and safetensors only, and DCP's own pickled `.metadata` is
+read by an unpickler that runs nothing (ladle/train/safe_dcp.py). A checkpoint is written under a
+temporary name (`.step_00000100.tmp`); its manifest is written when every rank's files are on
+disk, then the folder is renamed, and only then is `checkpoints/latest` (a text file with the
+folder name) replaced, atomically. Old checkpoints are removed only after a newer one is whole.
+
+A folder is whole when its manifest reads and every file it names has its size and sha256
+(`verify`). Resuming takes the newest whole checkpoint (`find_newest`), whatever `latest` says,
+and names every newer one it skipped and why; a folder without a manifest is never resumed from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 import time
 import warnings
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,23 +47,40 @@ from torch.distributed.checkpoint.state_dict import (
 from ladle import distributed as dist
 from ladle.config import CheckpointConfig
 from ladle.errors import CheckpointError
+from ladle.train import faults, safe_dcp
 
 STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "ladle-checkpoint/1"
+ALTERED = "its sha256 differs from the manifest's (the file was altered or damaged)"
+NO_MANIFEST = "missing: its save never finished, or a ladle from before manifests wrote it"
 # Frozen parameters (the base of an adapter run) are not saved: they come from model.init_from.
 TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+_STEP_DIR = re.compile(r"step_(\d{8})")
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.fullmatch(path.name).group(1))
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    ckpt_root = Path(run_dir) / "checkpoints"
-    latest = ckpt_root / "latest"
-    if not latest.is_file():
+    """The folder `checkpoints/latest` names, when it is one (whole or not: see `find_newest`)."""
+    name = _read_latest(Path(run_dir) / "checkpoints")
+    path = Path(run_dir) / "checkpoints" / name if name and _STEP_DIR.fullmatch(name) else None
+    return path if path is not None and path.is_dir() else None
+
+
+def _read_latest(root: Path) -> str | None:
+    try:
+        with open(root / "latest", "rb") as f:
+            return f.read(256).decode("utf-8", "replace").strip()
+    except OSError:
         return None
-    path = ckpt_root / latest.read_text().strip()
-    return path if (path / STATE_FILE).is_file() else None
 
 
 def read_trainer_state(path: str | Path) -> dict:
@@ -63,7 +90,257 @@ def read_trainer_state(path: str | Path) -> dict:
             f"{path} is not a complete ladle checkpoint (no {STATE_FILE}); point train.resume at a "
             "checkpoints/step_XXXXXXXX folder, or use train.resume=auto"
         )
-    return json.loads(f.read_text())
+    try:
+        state = json.loads(f.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid JSON ({e}): the checkpoint is damaged") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f} holds no trainer state object: the checkpoint is damaged")
+    return state
+
+
+# -- the manifest: every file of a checkpoint with its size and sha256 ------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _writer(name: str) -> int:
+    """The rank that wrote a checkpoint file (DCP names a rank's shards __RANK_N.distcp): it
+    hashes the file on save, and ranks share the verification the same way on load."""
+    m = re.match(r"__(\d+)_|rng/rank_(\d+)\.", name)
+    return int(next(g for g in m.groups() if g is not None)) if m else 0
+
+
+def _write_manifest(tmp: Path, step: int) -> None:
+    """Collective: each rank hashes the files it wrote (its DCP shards, its RNG state) into a part
+    file; rank 0 merges the parts, adds the rest (the metadata, trainer state, config, any file
+    no rank claimed) and writes `manifest.json`, the last file of the checkpoint."""
+    rank = dist.rank()
+    mine = [*tmp.glob(f"__{rank}_*.distcp"), tmp / "rng" / f"rank_{rank:05d}.safetensors"]
+    _write_json(
+        tmp / f".manifest.rank_{rank:05d}.json", {f.relative_to(tmp).as_posix(): _entry(f) for f in mine}
+    )
+    dist.barrier()
+    if dist.is_main():
+        files = {}
+        for part in sorted(tmp.glob(".manifest.rank_*.json")):
+            files.update(json.loads(part.read_text()))
+            part.unlink()
+        for f in sorted(tmp.rglob("*")):
+            if f.is_file() and f.relative_to(tmp).as_posix() not in files:
+                files[f.relative_to(tmp).as_posix()] = _entry(f)
+        _write_json(tmp / MANIFEST, {"format": MANIFEST_FORMAT, "step": step, "files": files})
+
+
+def _entry(f: Path) -> dict:
+    return {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+
+
+def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
+    """(the manifest's files, None) or (None, what is wrong with it)."""
+    f = path / MANIFEST
+    if not f.is_file():
+        return None, NO_MANIFEST
+    try:
+        m = json.loads(f.read_text())
+        files = m["files"]
+        assert m["format"] == MANIFEST_FORMAT and isinstance(files, dict)
+        for name, e in files.items():
+            p = PurePosixPath(name)
+            assert not p.is_absolute() and ".." not in p.parts, f"a file outside the folder: {name!r}"
+            assert isinstance(e["bytes"], int) and isinstance(e["sha256"], str), f"a bad entry for {name!r}"
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AssertionError) as e:
+        return None, f"unreadable ({type(e).__name__}: {e}); it is damaged"
+    missing = {safe_dcp.METADATA, STATE_FILE, CONFIG_FILE} - set(files)
+    if missing:
+        return None, f"names no {', '.join(sorted(missing))}; it is damaged"
+    return files, None
+
+
+def _check_files(path: Path, files: dict, share: tuple[int, int] | None) -> dict[str, str]:
+    problems = {}
+    for name, e in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            problems[name] = "missing"
+        elif (size := f.stat().st_size) != e["bytes"]:
+            problems[name] = (
+                f"{size:,} bytes where the manifest says {e['bytes']:,} (truncated or overwritten)"
+            )
+        elif share is not None and _writer(name) % share[1] == share[0] and _sha256(f) != e["sha256"]:
+            problems[name] = ALTERED
+    return problems
+
+
+def verify(path: str | Path, share: tuple[int, int] | None = (0, 1), *, read: bool = True) -> dict[str, str]:
+    """What is wrong with a checkpoint folder, by file ({} when it is whole): the manifest must
+    read, every file it names must be there with its size and, for this (rank, world) share of
+    the files (all by default; None: none), its sha256, and (read) the DCP part must read
+    without running anything (`safe_dcp.check`: the metadata and the optimizer's plain entries)."""
+    path = Path(path)
+    files, problem = _read_manifest(path)
+    if files is None:
+        return {MANIFEST: problem}
+    problems = _check_files(path, files, share)
+    return problems or (safe_dcp.check(path) if read else {})
+
+
+def verify_on_all_ranks(path: str | Path) -> dict[str, str]:
+    """`verify` with the checksums shared out over the ranks of the process group (collective)."""
+    rank, world = dist.rank(), dist.world_size()
+    if world == 1:
+        return verify(path)
+    path = Path(path)
+    files, problem = _read_manifest(path)  # the same file, so the same answer, on every rank
+    if files is None:
+        return {MANIFEST: problem}
+    problems = _check_files(path, files, (rank, world))
+    names = sorted(files)
+    bad = torch.tensor([n in problems for n in names], dtype=torch.int64, device=dist.collective_device())
+    for name, flag in zip(names, dist.all_reduce_max(bad).tolist(), strict=True):
+        if flag and name not in problems:  # a checksum another rank computed
+            problems[name] = ALTERED
+    if problems:
+        return problems
+    # The pickles are read once, on rank 0 (a large job's metadata is large), and rank 0 names them.
+    content = safe_dcp.check(path) if rank == 0 else {}
+    if dist.any_rank(bool(content), dist.collective_device()):
+        return content or {safe_dcp.METADATA: "refused by rank 0's check, which events.log names"}
+    return {}
+
+
+def describe(problems: dict[str, str]) -> str:
+    return "; ".join(f"{name}: {why}" for name, why in sorted(problems.items()))
+
+
+# -- the folder: which checkpoint to resume from ------------------------------------------------
+@dataclass
+class Found:
+    """What `find_newest` saw in a run's checkpoints folder."""
+
+    path: Path | None = None  # the newest whole checkpoint
+    skipped: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # newer, not whole
+    latest_problem: str | None = None  # what is wrong with `checkpoints/latest`
+    partial: list[Path] = field(default_factory=list)  # saves cut short (.step_*.tmp)
+    any: bool = False  # the folder holds checkpoints (or a `latest`) at all
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """The run's checkpoint folders, newest first."""
+    root = Path(run_dir) / "checkpoints"
+    dirs = [p for p in root.glob("step_*") if _STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    return sorted(dirs, key=_step_of, reverse=True)
+
+
+def find_newest(run_dir: str | Path, check=verify) -> Found:
+    """The newest whole checkpoint of a run (checked newest first with `check`), and what was
+    wrong with the newer ones and with `latest`."""
+    root = Path(run_dir) / "checkpoints"
+    dirs = checkpoint_dirs(run_dir)
+    found = Found(partial=sorted(root.glob(".step_*.tmp")), any=bool(dirs) or (root / "latest").exists())
+    for d in dirs:
+        problems = check(d)
+        if not problems:
+            found.path = d
+            break
+        found.skipped.append((d.name, problems))
+    name = _read_latest(root)
+    if (root / "latest").exists() and (
+        not name or not _STEP_DIR.fullmatch(name) or not (root / name).is_dir()
+    ):
+        found.latest_problem = f"checkpoints/latest names {name!r}, which is no checkpoint folder here"
+    elif name and found.path is not None and name != found.path.name:
+        found.latest_problem = (
+            f"checkpoints/latest names {name}, but {found.path.name} is the newest whole one"
+        )
+    return found
+
+
+def check_report(path: str | Path) -> dict:
+    """`ladle checkpoint verify`: every checkpoint of a run directory (or the one folder given),
+    checked in full; which one `train.resume=auto` would continue from; notes on `latest` and on
+    saves cut short. `whole` is true when every checkpoint is."""
+    p = Path(path)
+    if (p / "checkpoints").is_dir():
+        dirs, run = checkpoint_dirs(p), p
+    elif is_checkpoint(p):
+        dirs, run = [p], None
+    else:
+        raise CheckpointError(f"{path} is neither a checkpoint folder nor a run directory with checkpoints/")
+    results = {d: verify(d) for d in dirs}
+    checkpoints = []
+    for d in dirs:
+        files = _read_manifest(d)[0] or {}
+        entry = {"path": str(d), "whole": not results[d], "problems": results[d]}
+        checkpoints.append({**entry, "files": len(files), "bytes": sum(e["bytes"] for e in files.values())})
+    notes = []
+    if run is not None:
+        found = find_newest(run, check=results.__getitem__)
+        notes += [found.latest_problem] if found.latest_problem else []
+        notes += [f"{t}: a save that was cut short; the next resume removes it" for t in found.partial]
+        resume = found.path.name if found.path else "nowhere: no checkpoint is whole"
+        notes.append(f"train.resume=auto continues from {resume}" if dirs else f"{run} holds no checkpoints")
+    return {"checkpoints": checkpoints, "notes": notes, "whole": all(c["whole"] for c in checkpoints)}
+
+
+def _legacy_ok(check):
+    """`check`, but a checkpoint from before manifests passes, with a warning: readers of weights
+    still take them; resuming does not."""
+
+    def checked(d: Path) -> dict[str, str]:
+        problems = check(d)
+        if problems == {MANIFEST: NO_MANIFEST} and (d / STATE_FILE).is_file():
+            if dist.is_main():
+                print(
+                    f"warning: {d} has no {MANIFEST} (an older ladle wrote it): read unverified",
+                    file=sys.stderr,
+                )
+            return {}
+        return problems
+
+    return checked
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and any((p / n).exists() for n in (MANIFEST, STATE_FILE, safe_dcp.METADATA))
+
+
+def resolve_checkpoint(path: str | Path, check=verify_on_all_ranks) -> Path:
+    """The checkpoint folder a reader of weights (init_from, export, generate, eval) takes: the
+    folder itself when whole, or a run directory's (or its `checkpoints/latest` file's) newest
+    whole one, naming on stderr the newer ones it skipped. Refuses a damaged folder, naming its
+    files. `check` is collective (the ranks share out the checksums) unless replaced."""
+    p = Path(path)
+    if p.is_file() and p.name == "latest":
+        p = p.parent.parent
+    check = _legacy_ok(check)
+    if is_checkpoint(p):
+        problems = check(p)
+        if problems:
+            raise CheckpointError(
+                f"the checkpoint {p} is damaged: {describe(problems)}. Use another checkpoint of the run "
+                "(`ladle checkpoint verify RUN_DIR` lists the whole ones)"
+            )
+        return p
+    if (p / "checkpoints").is_dir():
+        found = find_newest(p, check)
+        if found.path is None:
+            why = "; ".join(f"{n}: {describe(pr)}" for n, pr in found.skipped) or "it holds none"
+            raise CheckpointError(f"the run directory {p} has no whole checkpoint ({why})")
+        if dist.is_main():
+            for name, problems in found.skipped:
+                print(f"warning: skipped {name}, it is damaged: {describe(problems)}", file=sys.stderr)
+            if found.latest_problem:
+                print(f"warning: {found.latest_problem}", file=sys.stderr)
+        return found.path
+    raise CheckpointError(
+        f"{path} is not a ladle checkpoint (no {STATE_FILE}) nor a run directory with checkpoints/"
+    )
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -156,46 +433,54 @@ class Checkpointer:
         ) from err
 
     def _finish(self, tmp: Path, final: Path, extra: dict, config_yaml: str) -> None:
-        dist.barrier()
-        if dist.is_main():
-            try:
+        dist.barrier()  # every rank's DCP shards and RNG state are on disk
+        faults.at("save", extra["step"])
+        try:
+            if dist.is_main():
                 _write_json(tmp / STATE_FILE, extra)
-                (tmp / "config.yaml").write_text(config_yaml)
+                (tmp / CONFIG_FILE).write_text(config_yaml)
+            dist.barrier()
+            _write_manifest(tmp, extra["step"])  # collective; the manifest is the last file
+            if dist.is_main():
                 if final.exists():  # the same step saved again (e.g. SIGTERM right after a save)
                     shutil.rmtree(final)
                 os.replace(tmp, final)
                 latest_tmp = self.root / "latest.tmp"
                 latest_tmp.write_text(final.name + "\n")
                 os.replace(latest_tmp, self.root / "latest")
-            except OSError as e:
-                self._abort(tmp, extra.get("step"), e)
+        except OSError as e:
+            self._abort(tmp, extra.get("step"), e)
+        if dist.is_main():
             self._prune(keep=final)
         dist.barrier()
 
     def _prune(self, keep: Path) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if (p / STATE_FILE).is_file())
-        for old in done[: max(0, len(done) - self.cfg.keep_last)]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+        """Removes whole checkpoints beyond the newest `keep_last` whole ones, and only when the
+        one just written is the newest checkpoint and whole: while a newer one is damaged (a resume
+        skipped it), nothing is removed. Damaged ones are never removed (a resume names them)."""
+        dirs = checkpoint_dirs(self.root.parent)
+        if not dirs or dirs[0] != keep or verify(keep, share=None, read=False):
+            return
+        whole = [d for d in dirs if not verify(d, share=None, read=False)]
+        for old in whole[self.cfg.keep_last :]:
+            shutil.rmtree(old, ignore_errors=True)
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, path: str | Path, model, optimizer) -> dict:
-        """Fills model and optimizer in place from `path`; returns the trainer state dict."""
+        """Fills model and optimizer in place from `path` (already verified: `find_newest`);
+        returns the trainer state dict."""
         path = Path(path)
         extra = read_trainer_state(path)
         msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
         state = {"model": msd, "optim": osd}
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:
-            raise CheckpointError(f"could not load the checkpoint {path}: {e}") from e
+        _read_dcp(state, path)
         set_state_dict(
             model,
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
             # Not strict: the frozen base is not in the state (TRAINABLE). Every key that is was
-            # found in the checkpoint, or dcp.load above would have failed.
+            # found in the checkpoint, or the read above would have failed.
             options=StateDictOptions(strict=False, ignore_frozen_params=True),
         )
         rng = path / "rng" / f"rank_{dist.rank():05d}.safetensors"
@@ -206,22 +491,23 @@ class Checkpointer:
         return extra
 
 
+def _read_dcp(state: dict, path: Path) -> None:
+    with warnings.catch_warnings():  # one process reading any layout's shards is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        safe_dcp.load(state, path)
+
+
 def load_model_weights(path: str | Path, model, *, base_only: bool = False) -> None:
     """Only the model part of a training checkpoint, into a plain or laid-out model (DCP reshards
     the saved layout into this one): for init_from, generate, eval and export. An adapter run's
     checkpoint holds only the adapters: then the base must already be in `model`, and only its
     trainable parameters are read. base_only: read a full checkpoint into the base of an adapted
-    model (its adapters left as they are)."""
+    model (its adapters left as they are). `path` comes from `resolve_checkpoint`, which checked it."""
     adapters = bool(read_trainer_state(path).get("adapters_only"))
     msd = get_model_state_dict(model, options=TRAINABLE if adapters else None)
     if base_only:
         msd = {k: v for k, v in msd.items() if ".lora_" not in k}
-    try:
-        with warnings.catch_warnings():  # one process reading any layout's shards is the intent
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": msd}, checkpoint_id=str(path))
-    except Exception as e:
-        raise CheckpointError(f"could not load model weights from the checkpoint {path}: {e}") from e
-    # Not strict when part of the model is deliberately left out; dcp.load has found every key asked.
+    _read_dcp({"model": msd}, Path(path))
+    # Not strict when part of the model is deliberately left out; the read has found every key asked.
     strict = not (adapters or base_only)
     set_model_state_dict(model, msd, options=StateDictOptions(strict=strict, ignore_frozen_params=adapters))

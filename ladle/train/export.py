@@ -9,29 +9,20 @@ import yaml
 
 from ladle.config import ModelConfig
 from ladle.errors import CheckpointError, DataError
-from ladle.train.checkpoint import STATE_FILE, latest_checkpoint, load_model_weights
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, from itself, a run directory (its latest) or a `checkpoints/latest` file."""
-    p = Path(path)
-    if (p / STATE_FILE).is_file():
-        return p
-    if p.is_file() and p.name == "latest":
-        p = p.parent.parent
-    found = latest_checkpoint(p)
-    if found is not None:
-        return found
-    raise CheckpointError(
-        f"{path} is not a ladle checkpoint (no {STATE_FILE}) nor a run directory with checkpoints/latest"
-    )
+from ladle.train.checkpoint import load_model_weights, resolve_checkpoint
 
 
 def checkpoint_config(ckpt: Path) -> dict:
     f = ckpt / "config.yaml"
     if not f.is_file():
         raise CheckpointError(f"checkpoint {ckpt} has no config.yaml; it was not written by ladle")
-    return yaml.safe_load(f.read_text())
+    try:
+        cfg = yaml.safe_load(f.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid YAML ({e}): the checkpoint is damaged") from e
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
+        raise CheckpointError(f"{f} holds no run config with a model section: the checkpoint is damaged")
+    return cfg
 
 
 def load_checkpoint_model(path: str | Path, device="cpu", dtype=torch.float32):

@@ -26,6 +26,7 @@ from ladle.config.load import config_hash, to_dict, to_yaml
 from ladle.models.moe import expert_load_metrics, router_losses
 from ladle.parallel.clip import clip_grad_norm_
 from ladle.parallel.mesh import Layout, Parallel
+from ladle.train import faults
 from ladle.train.checkpoint import Checkpointer
 from ladle.train.loss import IGNORE_INDEX, cross_entropy_sum
 from ladle.train.metrics import format_line
@@ -319,6 +320,7 @@ class Trainer:
                 self.step += 1
                 self.tokens_seen += out["tokens"]
                 self.check_finite(out)
+                faults.at("step", self.step)
 
                 window["steps"] += 1
                 window["tokens"] += out["tokens"]

@@ -3,6 +3,7 @@
     OUTPUT_DIR/config.yaml  run_card.json  metrics.jsonl  events.log  checkpoints/
 
 `resolve_resume` runs before anything is written, so a refused start leaves the folder as it was.
+A restarted attempt of the same job (`restart_reason`) resumes whatever `train.resume` says.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,24 +28,80 @@ from ladle import distributed as dist
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_yaml
 from ladle.errors import CheckpointError, ConfigError
-from ladle.train.checkpoint import latest_checkpoint, read_trainer_state
+from ladle.train.checkpoint import (
+    CONFIG_FILE,
+    Found,
+    checkpoint_dirs,
+    describe,
+    find_newest,
+    read_trainer_state,
+    verify,
+)
 from ladle.train.metrics import ConsoleProgress, EventLog, MetricsWriter, make_console
 
 
-def resolve_resume(cfg: LadleConfig) -> Path | None:
-    """The checkpoint to resume from, or None for a fresh start; refuses to start over a run's
-    checkpoints unless asked to resume, and to resume a checkpoint of another model shape."""
+# -- is this a restarted attempt of the job that wrote the run directory? -----------------------
+def job_id() -> str | None:
+    """This job's id, the same in each of its attempts: `ladle run --rdzv-id` (LADLE_JOB_ID; `ladle
+    launch slurm` sets the SLURM job id), else the SLURM job id. Recorded in run_card.json."""
+    return os.environ.get("LADLE_JOB_ID") or os.environ.get("SLURM_JOB_ID") or None
+
+
+def restart_reason(out: str | Path) -> str | None:
+    """Why this process is a restarted attempt of the job that wrote `out`, or None: torchrun
+    restarted the workers (--max-restarts), or the job recorded in the run card is this one: the
+    same --rdzv-id (a requeue, a replaced node) or a SLURM job that SLURM requeued. Runs within one
+    SLURM allocation share its id, so a plain SLURM id counts only once SLURM has restarted it."""
+    n = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if n:
+        return f"torchrun restarted the workers of this job ({n} restart{'s' * (n > 1)} so far)"
+    mine = job_id()
+    try:
+        theirs = (json.loads((Path(out) / "run_card.json").read_text()).get("job") or {}).get("id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if mine is None or mine != theirs:
+        return None
+    if os.environ.get("LADLE_JOB_ID"):
+        return f"job {mine} (--rdzv-id) started again"
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0):
+        return f"SLURM requeued job {mine} (restart {os.environ['SLURM_RESTART_COUNT']})"
+    return None
+
+
+@dataclass
+class Resume:
+    """The decision `resolve_resume` takes: where from, why, and what it saw on the way."""
+
+    path: Path | None  # the checkpoint to resume from; None: a fresh start
+    restart: str | None = None  # why this is a restarted attempt, when it is one
+    found: Found | None = None  # the checkpoints folder as `find_newest` saw it
+
+    @property
+    def step(self) -> int:
+        return int(read_trainer_state(self.path)["step"]) if self.path else 0
+
+
+def resolve_resume(cfg: LadleConfig, restart: str | None = None, check=verify) -> Resume:
+    """Where a run starts: a fresh start, or the checkpoint to resume. Refuses to start over a
+    run's checkpoints unless asked to resume (or a restarted attempt), to resume a checkpoint of
+    another model shape, and to resume when no checkpoint of the run is whole; never starts over
+    there. `check(path)` -> problems by file ({} when whole); `verify` by default."""
     out = Path(cfg.output_dir)
-    latest = latest_checkpoint(out)
-    mode = cfg.train.resume
+    mode = "auto" if restart else cfg.train.resume
     if mode == "never":
-        if latest is not None:
-            theirs = read_trainer_state(latest).get("config_hash", "?")
+        dirs = checkpoint_dirs(out)
+        if dirs or (out / "checkpoints" / "latest").exists():
+            newest = dirs[0].name if dirs else "none whole"
+            try:
+                theirs = read_trainer_state(dirs[0]).get("config_hash", "?")
+            except (CheckpointError, IndexError):
+                theirs = "?"
             same = (
                 "this same config" if theirs == config_hash(cfg) else f"another config (hash {theirs[:12]})"
             )
             raise ConfigError(
-                f"output_dir {out} already holds checkpoints of a run with {same} (latest: {latest.name}); "
+                f"output_dir {out} already holds checkpoints of a run with {same} (newest: {newest}); "
                 "set train.resume=auto to continue it, or choose another output_dir"
             )
         if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size:
@@ -50,12 +109,29 @@ def resolve_resume(cfg: LadleConfig) -> Path | None:
                 f"output_dir {out} already holds a run's metrics.jsonl; set train.resume=auto to continue "
                 "it (from its last checkpoint, or afresh if it has none), or choose another output_dir"
             )
-        return None
-    path = latest if mode == "auto" else Path(mode)
+        return Resume(None)
+    found = None
+    if mode == "auto":
+        found = find_newest(out, check)
+        if found.path is None and found.any:
+            why = "; ".join(f"{name}: {describe(p)}" for name, p in found.skipped) or found.latest_problem
+            raise CheckpointError(
+                f"output_dir {out} holds checkpoints, but none is whole ({why}). ladle does not start "
+                "over a run's checkpoints: repair or move them away, or choose another output_dir"
+            )
+        path = found.path
+    else:
+        path = Path(mode)
+        problems = check(path) if path.is_dir() else {str(path): "no such checkpoint folder"}
+        if problems:
+            raise CheckpointError(
+                f"cannot resume from {path}: {describe(problems)}; resume from another checkpoint "
+                f"(`ladle checkpoint verify {out}` lists the whole ones) or use train.resume=auto"
+            )
     if path is None:
-        return None
+        return Resume(None, restart, found)
     read_trainer_state(path)  # raises when not a complete checkpoint
-    theirs = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
+    theirs = yaml.safe_load((path / CONFIG_FILE).read_text()) if (path / CONFIG_FILE).is_file() else {}
     mine = cfg.model.model_dump(mode="json")
     old = theirs.get("model", {})
     diff = [f"model.{k} ({old.get(k)!r} there, {v!r} here)" for k, v in mine.items() if old.get(k) != v]
@@ -64,7 +140,7 @@ def resolve_resume(cfg: LadleConfig) -> Path | None:
             f"cannot resume from {path}: its model differs in {'; '.join(diff)}; "
             "resume with the model it was trained with, or start a new output_dir"
         )
-    return path
+    return Resume(path, restart, found)
 
 
 def _git_commit() -> str | None:
@@ -89,19 +165,39 @@ def _git_commit() -> str | None:
 class RunDir:
     """Owns OUTPUT_DIR for one run: rank 0 writes the shared files, every rank logs events."""
 
-    def __init__(self, cfg: LadleConfig, device: torch.device, *, recipe: str, resume: Path | None):
+    def __init__(self, cfg: LadleConfig, device: torch.device, *, recipe: str, resume: Resume):
         self.cfg, self.device, self.recipe = cfg, device, recipe
         self.dir = Path(cfg.output_dir)
         self.console = make_console()
         if dist.is_main():
             (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             (self.dir / "config.yaml").write_text(to_yaml(cfg))
-            self._trim_metrics(read_trainer_state(resume)["step"] if resume else 0)
+            self._trim_metrics(resume.step)
         dist.barrier()
         self.events = EventLog(self.dir, self.console)
         self.metrics = MetricsWriter(self.dir)
         self.started = time.time()
         self.card: dict = {}
+        if dist.is_main():
+            self._report(resume)
+
+    def _report(self, resume: Resume) -> None:
+        """Says what the resume decision saw, and removes the saves that were cut short."""
+        where = f"resuming from {resume.path.name}" if resume.path else "starting from step 0 (no checkpoint)"
+        if resume.restart:
+            self.events(f"restarted attempt: {resume.restart}; {where}, whatever train.resume says")
+        found = resume.found
+        if found is None:
+            return
+        for name, problems in found.skipped:
+            self.events(
+                f"checkpoint {name} skipped, it is not whole: {describe(problems)}; {where}", level="warning"
+            )
+        if found.latest_problem:
+            self.events(f"{found.latest_problem}; {where}", level="warning")
+        for tmp in found.partial:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.events(f"removed {tmp.name}, a save that was cut short (no manifest); {where}")
 
     def _trim_metrics(self, step: int) -> None:
         """Drop records after the resumed step: they will be recomputed, and kept would repeat."""
@@ -139,6 +235,7 @@ class RunDir:
                     "torch_threads": torch.get_num_threads(),
                 },
                 "world_size": dist.world_size(),
+                "job": {"id": job_id(), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)},
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
             }
         self.card.update(fields)
