@@ -211,6 +211,54 @@ def test_precision_modes_train(tiny_config, mode):
         assert "loss_scale" not in recs[0]
 
 
+@pytest.mark.parametrize(
+    "mode, bf16, fp32, resolved, said",
+    [
+        (
+            "auto",
+            0.001,
+            0.12,
+            "fp32",
+            "precision.mode=auto: fp32 (this CPU's bf16 GEMM runs at 0.001 TFLOP/s",
+        ),
+        (
+            "auto",
+            0.40,
+            0.20,
+            "bf16-mixed",
+            "precision.mode=auto: bf16-mixed (this CPU's bf16 GEMM runs at 0.400",
+        ),
+        ("bf16-mixed", 0.001, 0.12, "bf16-mixed", "precision.mode=bf16-mixed on a CPU that emulates bf16"),
+        ("bf16-mixed", 0.40, 0.20, "bf16-mixed", None),
+        ("fp32", 0.001, 0.12, "fp32", None),
+    ],
+)
+def test_precision_auto_takes_bf16_only_where_the_cpu_computes_it(
+    tiny_config, monkeypatch, mode, bf16, fp32, resolved, said
+):
+    from ladle import device as dev
+    from ladle.train.precision import resolve_mode
+
+    monkeypatch.setattr(dev, "measure_gemm_tflops", lambda device, name: {"bf16": bf16, "fp32": fp32}[name])
+    cfg, note = resolve_mode(build_config(tiny_config, [f"precision.mode={mode}"]), torch.device("cpu"))
+    assert cfg.precision.mode == resolved
+    assert note == said if said is None else note.startswith(said)
+
+
+def test_precision_auto_runs_and_records_the_mode_it_chose(tiny_config):
+    run(
+        tiny_config,
+        "precision.mode=auto",
+        "train.max_steps=3",
+        "scheduler.warmup_steps=1",
+        "train.eval_every=0",
+    )
+    out = Path(tiny_config["output_dir"])
+    chosen = yaml.safe_load((out / "config.yaml").read_text())["precision"]["mode"]
+    assert chosen in ("fp32", "bf16-mixed")
+    assert f"precision.mode=auto: {chosen} (this CPU's bf16 GEMM runs at" in (out / "events.log").read_text()
+
+
 def test_data_made_with_another_tokenizer_is_refused(tiny_config, corpus, tmp_path):
     from ladle.tokenizer import train_tokenizer
 

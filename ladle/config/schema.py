@@ -212,7 +212,11 @@ class TrainConfig(Section):
 
 
 class PrecisionConfig(Section):
-    mode: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"] = "bf16-mixed"
+    mode: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16"] = Field(
+        "bf16-mixed",
+        description="auto: bf16-mixed where the device computes bf16 natively, else fp16-mixed "
+        "(a GPU without bf16) or fp32 (a CPU that only emulates bf16)",
+    )
     init_loss_scale: float = Field(2.0**16, gt=0, description="fp16-mixed: starting loss scale")
     loss_scale_window: int = Field(1000, ge=1, description="fp16-mixed: good steps before growth")
 

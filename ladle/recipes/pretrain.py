@@ -30,6 +30,7 @@ from ladle.parallel.parallelize import build_pipeline, gather_model, parallelize
 from ladle.train.checkpoint import load_model_weights, resolve_checkpoint, verify_on_all_ranks
 from ladle.train.loop import Trainer
 from ladle.train.metrics import flops_per_token
+from ladle.train.precision import resolve_mode
 from ladle.train.run import Resume, RunDir, resolve_resume, restart_reason, throughput_summary
 
 
@@ -211,6 +212,7 @@ def run(cfg: LadleConfig, recipe: str = "pretrain", samples=packed_samples) -> s
 
 
 def _train(cfg: LadleConfig, recipe: str, samples, found: dict, device: torch.device) -> str:
+    cfg, precision_note = resolve_mode(cfg, device)  # config.yaml records the mode that ran
     # A restart on one rank is one on all (a replaced node's own attempt count starts at 0); the
     # ranks share out the checksums of the checkpoints they consider.
     restart = restart_reason(cfg.output_dir)
@@ -222,6 +224,8 @@ def _train(cfg: LadleConfig, recipe: str, samples, found: dict, device: torch.de
     par = Parallel(check_layout(cfg, dist.world_size()), device, cfg.parallel.cp_attention)
     trainer = build_trainer(cfg, device, found, resume, par, recipe, samples)
     run_dir = trainer.run
+    if precision_note:
+        run_dir.events(precision_note, level="warning" if "emulates" in precision_note else "info")
     status = trainer.fit()
     final = {"status": status, "step": trainer.step, "tokens_seen": trainer.tokens_seen}
     if trainer.last_record:
