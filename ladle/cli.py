@@ -11,27 +11,11 @@ from pathlib import Path
 
 from ladle.errors import LadleError
 
-RECIPES = {"pretrain": "ladle.recipes.pretrain", "sft": "ladle.recipes.sft"}
-
-
-def _recipe(name: str):
-    import importlib
-
-    if name not in RECIPES:
-        import difflib
-
-        hint = difflib.get_close_matches(name, RECIPES, n=1)
-        raise LadleError(
-            f"unknown recipe '{name}'"
-            + (f"; did you mean '{hint[0]}'?" if hint else "")
-            + f" (recipes: {', '.join(RECIPES)})"
-        )
-    return importlib.import_module(RECIPES[name])
-
 
 # -- config commands ---------------------------------------------------------------------------
 def cmd_ls(args) -> int:
     from ladle.config.load import bundled_configs, model_presets
+    from ladle.recipes import RECIPES
 
     print("recipes:")
     for name in RECIPES:
@@ -60,24 +44,12 @@ def cmd_cp(args) -> int:
     return 0
 
 
-def _checked(cfg, world: int = 0, paths: bool = True, recipe: str | None = None):
-    """(config, layout) as every process will see them: `init_from` resolved, tokenizer and data
-    checked (unless paths=False), and the parallel layout for `world` processes (when given), so
-    each refusal comes before anything starts."""
-    from ladle.config.checks import check_all
-    from ladle.models.hf import resolve_config
-    from ladle.parallel.mesh import check_layout
-
-    if paths:
-        cfg = resolve_config(cfg)
-        check_all(cfg, recipe)
-    return cfg, check_layout(cfg, world) if world else None
-
-
 def cmd_validate(args) -> int:
     from ladle.config.load import config_hash, load_config, to_yaml
+    from ladle.prelaunch import check
 
-    cfg, lay = _checked(load_config(args.config, args.overrides), args.nproc, paths=not args.no_paths)
+    found = check(load_config(args.config, args.overrides), world=args.nproc, paths=not args.no_paths)
+    cfg, lay = found.cfg, found.layout
     if lay is not None:
         print(f"# layout for {args.nproc} processes: {lay.describe()}", file=sys.stderr)
     sys.stdout.write(to_yaml(cfg))
@@ -87,22 +59,19 @@ def cmd_validate(args) -> int:
 
 def cmd_run(args) -> int:
     from ladle.config.load import load_config
+    from ladle.recipes import load
 
-    recipe = _recipe(args.recipe)
+    recipe = load(args.recipe)
     cfg = load_config(args.config, args.overrides)
     if args.rdzv_id:  # the job's id in every attempt: a restarted one resumes by itself
         os.environ["LADLE_JOB_ID"] = args.rdzv_id
     if args.nproc > 1 or args.nnodes > 1:
-        from functools import partial
-
-        from ladle.train.checkpoint import verify
-        from ladle.train.run import resolve_resume, restart_reason
+        from ladle.prelaunch import check, parent_resume_check
 
         # Fail here, once, before torchrun starts N processes: the layout, the paths, a start
-        # over another run's checkpoints, a resume with none whole (sizes only: the workers share
-        # out the checksums). resolve_resume writes nothing.
-        checked, _ = _checked(cfg, args.nproc * args.nnodes, recipe=args.recipe)
-        resolve_resume(checked, restart_reason(checked.output_dir), check=partial(verify, share=None))
+        # over another run's checkpoints, a resume with none whole. Nothing is written.
+        checked = check(cfg, args.recipe, world=args.nproc * args.nnodes).cfg
+        parent_resume_check(checked)
         return _torchrun(args)
     status = recipe.run(cfg)
     return 0 if status in ("completed", "exit", "SIGTERM", "SIGINT") else 1
@@ -137,10 +106,12 @@ def _torchrun(args) -> int:
 def cmd_launch_slurm(args) -> int:
     from ladle.config.load import load_config
     from ladle.launch import write_sbatch
+    from ladle.prelaunch import check
+    from ladle.recipes import load
 
-    _recipe(args.recipe)
+    load(args.recipe)
     cfg = load_config(args.config, args.overrides)
-    _, lay = _checked(cfg, args.nodes * args.gpus_per_node, paths=not args.no_paths, recipe=args.recipe)
+    lay = check(cfg, args.recipe, world=args.nodes * args.gpus_per_node, paths=not args.no_paths).layout
     path = write_sbatch(
         recipe=args.recipe,
         config=args.config,
@@ -195,6 +166,28 @@ def cmd_data_prepare(args) -> int:
             fmt=args.format,
             template=args.template,
             mask=mask,
+            max_len=args.max_len,
+            overlong=args.overlong,
+            glob=args.glob,
+            exclude=args.exclude,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            strict=args.strict,
+        )
+        return 0
+    if args.task == "preference":
+        from ladle.data.preference import prepare_preference
+
+        if args.format != "auto":
+            raise LadleError(
+                f"--format {args.format}: --task preference tells each record's shape from its fields "
+                "(prompt/chosen/rejected strings or message lists, or HH-RLHF turns); leave --format out"
+            )
+        prepare_preference(
+            args.input,
+            tokenizer=args.tokenizer,
+            output=args.output,
+            template=args.template,
             max_len=args.max_len,
             overlong=args.overlong,
             glob=args.glob,
@@ -363,6 +356,8 @@ def cmd_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ladle.recipes import RECIPES
+
     p = argparse.ArgumentParser(prog="ladle", description="Training recipes for large language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -454,15 +449,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "text", "jsonl", "parquet", "messages", "sharegpt", "alpaca"],
         help="pretrain: the file format; sft: the record shape (messages, sharegpt, alpaca)",
     )
-    d.add_argument("--task", default="pretrain", choices=["pretrain", "sft"])
-    d.add_argument("--template", default=None, help="sft: a built-in chat template (chatml, qwen, llama3)")
+    d.add_argument("--task", default="pretrain", choices=["pretrain", "sft", "preference"])
+    d.add_argument(
+        "--template", default=None, help="sft, preference: a built-in chat template (chatml, qwen, llama3)"
+    )
     d.add_argument(
         "--mask", default="assistant", choices=["assistant", "last_turn", "all"], help="sft: trained tokens"
     )
     d.add_argument("--train-on-prompt", action="store_true", help="sft: same as --mask all")
     d.add_argument("--last-turn-only", action="store_true", help="sft: same as --mask last_turn")
-    d.add_argument("--max-len", type=int, default=4096, help="sft: longest sample, in tokens")
-    d.add_argument("--overlong", default="truncate", choices=["truncate", "drop"], help="sft: longer samples")
+    d.add_argument("--max-len", type=int, default=4096, help="sft, preference: longest sample, in tokens")
+    d.add_argument(
+        "--overlong", default="truncate", choices=["truncate", "drop"], help="sft, preference: longer samples"
+    )
     d.add_argument("--text-field", default="text")
     d.add_argument("--tokenizer", required=True, metavar="DIR")
     d.add_argument("--output", required=True, metavar="DIR")

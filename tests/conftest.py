@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny tokenizer and prepared data built once per session from real text
 (a slice of the Python standard library, present wherever Python is)."""
 
+import json
 import sysconfig
 from pathlib import Path
 
@@ -62,6 +63,35 @@ def sort_chats(tokenizer_dir, tmp_path_factory) -> Path:
     prepare_sft(
         [tmp / "task" / "train.jsonl"], tokenizer=tokenizer_dir, output=out, val_fraction=0.2, progress=False
     )
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory, corpus):
+    """A BPE that has the special tokens of every built-in template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from ladle.data.chat import BUILTIN
+
+    special = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+    special += ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train([str(p) for p in corpus.iterdir()], trainer)
+    out = tmp_path_factory.mktemp("chat")
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "chat_template": BUILTIN["chatml"],
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
     return out
 
 

@@ -78,7 +78,7 @@ def test_unknown_keys_get_a_hint(override, expected):
         ("optim.lr=-1", "optim.lr: Input should be greater than 0"),
         (
             "precision.mode=fp8",
-            "precision.mode: Input should be 'fp32', 'bf16-mixed', 'fp16-mixed' or 'bf16'",
+            "precision.mode: Input should be 'auto', 'fp32', 'bf16-mixed', 'fp16-mixed' or 'bf16'",
         ),
         ("model.dim=abc", "model.dim: Input should be a valid integer"),
         ("scheduler.warmup_steps=10", "scheduler.warmup_steps (10) must be below train.max_steps (10)"),

@@ -7,7 +7,8 @@ import torch
 
 from ladle.config.schema import ModelConfig, MoEConfig
 from ladle.models import moe as moe_mod
-from ladle.models.moe import MoE, pad_groups, router_losses
+from ladle.models.moe import MoE, pad_groups
+from ladle.train.loss import router_losses
 
 
 def _cfg(family="qwen3_moe", n=6, k=2, ffn=24, norm=True, dispatch="auto", **moe):

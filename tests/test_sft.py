@@ -35,33 +35,6 @@ ASSISTANT = ["5", "It is 17, I think.", "Confirmed: 17."]
 END = {"chatml": "<|im_end|>", "qwen": "<|im_end|>", "llama3": "<|eot_id|>"}
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory, corpus):
-    """A BPE that has the special tokens of every built-in template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    special = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
-    special += ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train([str(p) for p in corpus.iterdir()], trainer)
-    out = tmp_path_factory.mktemp("chat")
-    tok.save(str(out / "tokenizer.json"))
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|eos|>",
-        "pad_token": "<|pad|>",
-        "chat_template": BUILTIN["chatml"],
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return out
-
-
 # -- records -------------------------------------------------------------------------------------
 def test_the_three_record_shapes_give_the_same_chat():
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]

@@ -162,24 +162,30 @@ def test_async_checkpoints_complete_and_resume(tiny_config, tmp_path):
 def test_non_finite_loss_never_reaches_the_weights(tiny_config):
     from ladle import device as dev
     from ladle import distributed as dist
-    from ladle.config.checks import check_all
+    from ladle.prelaunch import check
+    from ladle.recipes import base
     from ladle.train import loop
+    from ladle.train.loss import CausalLMLoss
 
     cfg = build_config(tiny_config, ["train.eval_steps=0", "checkpoint.every=0"])
     cpu = torch.device("cpu")
     dist.init(cpu)
-    trainer = pretrain.build_trainer(cfg, cpu, check_all(cfg), None)
-    calls = {"n": 0}
+    trainer = base.build_trainer(cfg, cpu, check(cfg), None)
     weights = {}
 
-    def nan_from_step_three(model, batch):
-        calls["n"] += 1
-        if calls["n"] == 5:  # the first microbatch of step 3: keep the weights after step 2
-            weights.update({k: v.clone() for k, v in model.state_dict().items()})
-        loss = loop.causal_lm_loss(model, batch)
-        return loss * float("nan") if calls["n"] > 4 else loss  # 2 microbatches a step
+    class NaNFromStepThree(CausalLMLoss):
+        calls = 0
 
-    trainer.loss_fn = nan_from_step_three
+        def __call__(self, model, batch):
+            self.calls += 1
+            if self.calls == 5:  # the first microbatch of step 3: keep the weights after step 2
+                weights.update({k: v.clone() for k, v in model.state_dict().items()})
+            out = super().__call__(model, batch)
+            if self.calls > 4:  # 2 microbatches a step
+                out.sum = out.sum * float("nan")
+            return out
+
+    trainer.loss = NaNFromStepThree()
     with pytest.raises(loop.TrainingDiverged, match="3 non-finite steps in a row, the last at step 5"):
         trainer.fit()
     trainer.loader.close()

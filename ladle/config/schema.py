@@ -2,7 +2,7 @@
 
 Every section forbids unknown keys (the loader turns that into a "did you mean" hint) and checks
 its own ranges; checks that span sections live in `LadleConfig`. Checks that need the file system
-(tokenizer vocabulary, prepared data) live in `ladle.config.checks`, so this module stays pure.
+(tokenizer vocabulary, prepared data) live in `ladle.prelaunch`, so this module stays pure.
 """
 
 from __future__ import annotations

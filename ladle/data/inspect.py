@@ -3,7 +3,7 @@
 Per split: documents, tokens, shards, and a histogram of document lengths in log2 buckets. For the train
 split: the unigram entropy of its tokens in nats per token (how much a model that ignores context
 would pay; a sanity check that the data is not degenerate), and decoded samples when a tokenizer is at
-hand.
+hand; for preference data, the pairs per split and decoded pairs (prompt, chosen, rejected).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ladle.data.prepare import SPLITS, TokenStream, load_meta, open_split
+from ladle.data.folder import SPLITS, load_meta
+from ladle.data.prepare import TokenStream, open_split
 from ladle.tokenizer import Tokenizer, load_tokenizer
 
 ENTROPY_CHUNK = 1 << 24  # tokens per np.bincount call: bounded memory on any split size
@@ -50,6 +51,11 @@ def inspect_data(
     report["unigram_entropy_nats"], report["distinct_tokens"] = unigram_entropy(train, vocab)
 
     tok = _pick_tokenizer(tokenizer, meta, report["notes"])
+    if meta and meta.get("task") == "preference":
+        report["pairs"] = {name: meta["splits"][name]["pairs"] for name in report["splits"]}
+        if tok is not None:
+            report["samples"] = pair_samples(path, tok, samples)
+        return report
     if tok is not None:
         for i in range(min(samples, train.num_documents)):
             start, length = int(train.doc_starts[i]), int(train.doc_lengths[i])
@@ -59,6 +65,28 @@ def inspect_data(
                 {"document": i, "tokens": length, "text": tok.decode(ids)[:SAMPLE_CHARS]}
             )
     return report
+
+
+def pair_samples(path: Path, tok: Tokenizer, n: int) -> list[dict]:
+    """The first `n` train pairs decoded: the prompt (the untrained tokens before the completion)
+    and each side's completion (its trained tokens)."""
+    from ladle.data.preference import PreferenceSplit
+
+    pairs = PreferenceSplit(path, "train")
+    out = []
+    for i in range(min(n, len(pairs))):
+        c_ids, c_mask, r_ids, r_mask = pairs.get(i)
+        start = int(np.argmax(c_mask))
+        out.append(
+            {
+                "pair": i,
+                "tokens": [len(c_ids), len(r_ids)],
+                "prompt": tok.decode(c_ids[:start], False)[-SAMPLE_CHARS:],  # special tokens shown
+                "chosen": tok.decode(c_ids[c_mask], False)[:SAMPLE_CHARS],
+                "rejected": tok.decode(r_ids[r_mask], False)[:SAMPLE_CHARS],
+            }
+        )
+    return out
 
 
 def length_histogram(lengths: np.ndarray) -> list[dict]:
@@ -132,7 +160,15 @@ def format_inspect(report: dict) -> str:
         lines.append(f"  bad records skipped at prepare: {sum(meta['bad_records'].values()):,}")
         for reason, count in meta["bad_records"].items():
             lines.append(f"    {reason}: {count:,} (e.g. {', '.join(meta['bad_examples'][reason][:2])})")
+    if "pairs" in report:
+        lines.append("  preference pairs: " + ", ".join(f"{k} {v:,}" for k, v in report["pairs"].items()))
     for sample in report["samples"]:
-        lines.append(f"  document {sample['document']} ({sample['tokens']:,} tokens): {sample['text']!r}")
+        if "pair" in sample:
+            c, r = sample["tokens"]
+            lines.append(f"  pair {sample['pair']} ({c:,} / {r:,} tokens): prompt ...{sample['prompt']!r}")
+            lines.append(f"    chosen:   {sample['chosen']!r}")
+            lines.append(f"    rejected: {sample['rejected']!r}")
+        else:
+            lines.append(f"  document {sample['document']} ({sample['tokens']:,} tokens): {sample['text']!r}")
     lines.extend(f"  note: {note}" for note in report["notes"])
     return "\n".join(lines)

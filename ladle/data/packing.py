@@ -5,7 +5,7 @@ Packed (`data.packing: true`): chats are laid one after another into a row as lo
 chat is its own document, so the document-aware attention keeps chats apart and positions restart
 at every chat; the gap at the end of a row is padding. Padded (`false`): one chat per row. Both
 give the same loss for the same chats (tests/test_sft.py): only the trained targets count, and
-the loss is normalised by the trained tokens of the whole global batch (ladle/train/loop.py).
+the loss is normalised by the trained tokens of the whole global batch (ladle/train/unit.py).
 
 A chat of n tokens gives n - 1 (input, target) pairs; one longer than `seq_len` + 1 tokens keeps
 its first `seq_len` pairs (counted in `truncated`).

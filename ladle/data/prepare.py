@@ -1,6 +1,6 @@
 """`ladle data prepare`: tokenize raw text into Megatron indexed-dataset shards, and read them back.
 
-A prepared data folder holds
+A prepared data folder (ladle/data/folder.py: its reader and atomic writer) holds
     train_00000.bin/.idx, train_00001.bin/.idx, ...   one sequence per document, EOS appended
     val_00000.bin/.idx, ...                           documents held out for validation
     meta.json                                         what was prepared, from what, with which tokenizer
@@ -17,10 +17,7 @@ prefix (path without extension) is a train split. There is no tokenizer check fo
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
 import sys
 import time
 from collections import Counter, deque
@@ -30,17 +27,25 @@ from pathlib import Path
 
 import numpy as np
 
-from ladle.data.indexed import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
+from ladle.data.folder import (
+    FORMAT,
+    MAX_EXAMPLES,
+    SPLITS,
+    VERSION,
+    FolderWriter,
+    SplitWriter,
+    bad_reasons,
+    in_val,
+    load_meta,
+    tokenizer_fields,
+)
+from ladle.data.indexed import IndexedDataset, dtype_for_vocab
 from ladle.data.sources import Record, iter_documents, iter_files, no_files_message
 from ladle.errors import DataError
 from ladle.tokenizer import Tokenizer, load_tokenizer
 
-FORMAT = "megatron-mmidx"
-VERSION = 1
-SPLITS = ("train", "val")
 CHUNK_DOCS = 512  # a chunk (one unit of work for a worker) closes at this many documents
 CHUNK_CHARS = 1 << 18  # ... or this many characters of text (small enough to balance the workers)
-MAX_EXAMPLES = 5  # `file:line` examples kept per bad-record reason
 
 
 def default_workers() -> int:
@@ -88,30 +93,22 @@ def prepare(
             f"tokenizer {tok.path} has no end-of-sequence token (set eos_token in its tokenizer_config.json); "
             "prepare appends one to every document"
         )
-    out = Path(output)
-    _check_output(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    skip = [out, tmp]  # an output inside an input folder must not be read back as input
-    if next(iter_files(inputs, glob, exclude, skip=skip), None) is None:
+    out = FolderWriter(output)
+    if next(iter_files(inputs, glob, exclude, skip=out.skip), None) is None:
         raise DataError(no_files_message(inputs, glob, exclude))
 
     dtype = dtype_for_vocab(tok.vocab_size)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with out:
         records = iter_documents(
-            inputs, glob=glob, exclude=exclude, fmt=fmt, text_field=text_field, skip=skip
+            inputs, glob=glob, exclude=exclude, fmt=fmt, text_field=text_field, skip=out.skip
         )
         stats = _tokenize_into(
-            tmp, records, tok, dtype, workers, val_fraction, seed, shard_tokens, strict, progress
+            out.tmp, records, tok, dtype, workers, val_fraction, seed, shard_tokens, strict, progress
         )
         meta = {
             "format": FORMAT,
             "version": VERSION,
-            "tokenizer_hash": tok.hash,
-            "tokenizer_path": str(tok.path.resolve()),
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
+            **tokenizer_fields(tok),
             "dtype": dtype.name,
             "splits": stats["splits"],
             "bad_records": dict(stats["bad_counts"]),
@@ -132,85 +129,9 @@ def prepare(
                 f"no usable documents in {', '.join(inputs)}: {found}; "
                 "fix the data or the --format/--text-field options"
             )
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _print_summary(meta, out, stats["seconds"])
+        out.commit(meta)
+    _print_summary(meta, out.out, stats["seconds"])
     return meta
-
-
-def bad_reasons(meta: dict) -> str:
-    """'reason: count (e.g. file:line); ...' of a meta.json's bad records ('' if none)."""
-    return "; ".join(
-        f"{reason}: {count} (e.g. {meta['bad_examples'][reason][0]})"
-        for reason, count in meta["bad_records"].items()
-    )
-
-
-def _check_output(out: Path) -> None:
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise DataError(f"output {out} exists and is not a folder; choose another output path")
-    if (out / "meta.json").is_file() or not any(out.iterdir()):
-        return
-    raise DataError(
-        f"output folder {out} is not empty and is not a `ladle data prepare` output (no meta.json); "
-        "choose another output folder or empty this one"
-    )
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    # POSIX cannot swap two folders atomically; the old one is moved aside only now that the new one
-    # is complete, and deleted after.
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-
-
-class _SplitWriter:
-    """The shards of one split: opens the next shard when the current one would exceed shard_tokens."""
-
-    def __init__(self, folder: Path, name: str, dtype: np.dtype, shard_tokens: int):
-        self.folder, self.name, self.dtype, self.shard_tokens = folder, name, dtype, shard_tokens
-        self.shards: list[str] = []
-        self.documents = 0
-        self.tokens = 0
-        self._writer: IndexedDatasetWriter | None = None
-
-    def add(self, doc: np.ndarray) -> None:
-        if self._writer is not None and self._writer.num_tokens + doc.size > self.shard_tokens:
-            self._writer.finalize()
-            self._writer = None
-        if self._writer is None:
-            self.shards.append(f"{self.name}_{len(self.shards):05d}")
-            self._writer = IndexedDatasetWriter(self.folder / self.shards[-1], self.dtype)
-        self._writer.add_document(doc)
-        self.documents += 1
-        self.tokens += doc.size
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.finalize()
-
-    def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
-
-    def summary(self) -> dict:
-        return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
-
-
-def _in_val(seed: int, ordinal: int, fraction: float) -> bool:
-    digest = hashlib.blake2b(f"{seed}:{ordinal}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2**64
 
 
 def _tokenize_into(
@@ -225,7 +146,7 @@ def _tokenize_into(
     strict: bool,
     progress: bool,
 ) -> dict:
-    splits = {name: _SplitWriter(folder, name, dtype, shard_tokens) for name in SPLITS}
+    splits = {name: SplitWriter(folder, name, dtype, shard_tokens) for name in SPLITS}
     bad_counts: Counter[str] = Counter()
     bad_examples: dict[str, list[str]] = {}
     ordinal = 0
@@ -247,7 +168,7 @@ def _tokenize_into(
                         if len(examples) < MAX_EXAMPLES:
                             examples.append(source)
                         continue
-                    split = "val" if val_fraction and _in_val(seed, ordinal, val_fraction) else "train"
+                    split = "val" if val_fraction and in_val(seed, ordinal, val_fraction) else "train"
                     splits[split].add(flat[offset : offset + n])
                     offset += n
                 docs = sum(s.documents for s in splits.values())
@@ -399,23 +320,6 @@ def _print_summary(meta: dict, out: Path, seconds: float) -> None:
     )
     if summary := _bad_summary(meta):
         print(summary, file=sys.stderr)
-
-
-def load_meta(data_dir: str | os.PathLike) -> dict:
-    path = Path(data_dir) / "meta.json"
-    if not path.is_file():
-        raise DataError(
-            f"data folder {data_dir} not found (or has no meta.json): run `ladle data prepare` first"
-        )
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path} is not valid JSON ({e}): run `ladle data prepare` again") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise DataError(
-            f"{path} is not a {FORMAT} version {VERSION} meta file: run `ladle data prepare` again"
-        )
-    return meta
 
 
 class TokenStream:

@@ -24,9 +24,7 @@ examples.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -35,18 +33,18 @@ from pathlib import Path
 import numpy as np
 
 from ladle.data.chat import BUILTIN, MARKERS, ChatTemplate
-from ladle.data.indexed import IndexedDataset, dtype_for_vocab
-from ladle.data.prepare import (
+from ladle.data.folder import (
     FORMAT,
     MAX_EXAMPLES,
     VERSION,
-    _check_output,
-    _in_val,
-    _move_into_place,
-    _SplitWriter,
+    FolderWriter,
+    SplitWriter,
     bad_reasons,
+    in_val,
     load_meta,
+    tokenizer_fields,
 )
+from ladle.data.indexed import IndexedDataset, dtype_for_vocab
 from ladle.data.sources import iter_files, iter_rows, no_files_message
 from ladle.errors import DataError
 from ladle.tokenizer import Tokenizer, load_tokenizer
@@ -250,30 +248,22 @@ def prepare_sft(
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     tok = load_tokenizer(tokenizer)
     encoder = ChatEncoder(tok, template, mask)
-    out = Path(output)
-    _check_output(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    skip = [out, tmp]
-    if next(iter_files(inputs, glob, exclude, skip=skip), None) is None:
+    out = FolderWriter(output)
+    if next(iter_files(inputs, glob, exclude, skip=out.skip), None) is None:
         raise DataError(no_files_message(inputs, glob, exclude))
 
     dtype = dtype_for_vocab(tok.vocab_size)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    try:
-        rows = iter_rows(inputs, glob=glob, exclude=exclude, skip=skip)
+    with out:
+        rows = iter_rows(inputs, glob=glob, exclude=exclude, skip=out.skip)
         stats = _encode_into(
-            tmp, rows, encoder, fmt, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
+            out.tmp, rows, encoder, fmt, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
         )
         meta = {
             "format": FORMAT,
             "version": VERSION,
             "task": "sft",
-            "tokenizer_hash": tok.hash,
-            "tokenizer_path": str(tok.path.resolve()),
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
+            **tokenizer_fields(tok),
             "dtype": np.dtype(dtype).name,
             "template": encoder.template_name,
             "mask": mask,
@@ -291,21 +281,17 @@ def prepare_sft(
                 f"no usable chats in {', '.join(inputs)}: {reasons or 'the files hold no records'}; "
                 "fix the data or the --format/--template options"
             )
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        out.commit(meta)
     if progress:
-        _print_summary(meta, out, time.perf_counter() - t0)
+        _print_summary(meta, out.out, time.perf_counter() - t0)
     return meta
 
 
 def _encode_into(
     folder, rows: Iterator, encoder, fmt, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
 ):
-    tokens = {s: _SplitWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
-    masks = {s: _SplitWriter(folder, f"{s}_mask", np.uint8, shard_tokens) for s in ("train", "val")}
+    tokens = {s: SplitWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
+    masks = {s: SplitWriter(folder, f"{s}_mask", np.uint8, shard_tokens) for s in ("train", "val")}
     bad: Counter[str] = Counter()
     examples: dict[str, list[str]] = {}
     counts = Counter()
@@ -345,7 +331,7 @@ def _encode_into(
                 skip(source, "no trained tokens (all masked, or truncated away)")
                 counts["no_trained_tokens"] += 1
                 continue
-            split = "val" if val_fraction and _in_val(seed, ordinal, val_fraction) else "train"
+            split = "val" if val_fraction and in_val(seed, ordinal, val_fraction) else "train"
             tokens[split].add(ids.astype(dtype))
             masks[split].add(mask.astype(np.uint8))
             counts[f"{split}_trained_tokens"] += int(mask[1:].sum())
@@ -389,13 +375,15 @@ def _print_summary(meta: dict, out: Path, seconds: float) -> None:
 
 
 class SFTSplit:
-    """The chats of one split of a prepared SFT folder: `lengths`, `get(i)` -> (ids, mask)."""
+    """The chats of one split of a prepared SFT folder: `lengths`, `get(i)` -> (ids, mask). Also
+    the sequences of a folder of another masked task (`task`: preference pairs)."""
 
-    def __init__(self, data_dir: str | os.PathLike, split: str = "train"):
+    def __init__(self, data_dir: str | os.PathLike, split: str = "train", task: str = "sft"):
         meta = load_meta(data_dir)
-        if meta.get("task") != "sft":
+        if meta.get("task") != task:
             raise DataError(
-                f"{data_dir} holds pretraining data, not chats; prepare it with `ladle data prepare --task sft`"
+                f"{data_dir} holds {meta.get('task', 'pretrain')} data, not {task} data; prepare it with "
+                f"`ladle data prepare --task {task}`"
             )
         info = meta["splits"][split]
         root = Path(data_dir)

@@ -11,7 +11,8 @@ wrappers need that), and lets a loader fill expert e's slice from Hugging Face's
 
 `MoE.forward` returns the output and the router's statistics for the step: the load-balancing
 loss, the z-loss and the tokens each expert received; the model collects them per layer and the
-training loop adds the weighted losses (see `router_losses`).
+causal-LM loss adds the weighted losses and reports expert load (ladle/train/loss.py). Model code
+runs no collectives.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ladle import distributed as dist
 from ladle.config.schema import ModelConfig, MoEConfig
 
 # Rows per expert are padded to this multiple for CUDA's grouped GEMM: its weight gradient
@@ -146,35 +146,6 @@ def pad_groups(
     rows = torch.full((int(padded.sum()),), pad_index, dtype=token.dtype, device=token.device)
     rows[starts[group] + within] = token
     return rows, padded
-
-
-def router_losses(stats: list[tuple[torch.Tensor, ...]], cfg: MoEConfig) -> torch.Tensor:
-    """The weighted router losses of one forward pass, averaged over the MoE layers."""
-    aux = torch.stack([s[0] for s in stats]).mean()
-    z = torch.stack([s[1] for s in stats]).mean()
-    return cfg.aux_loss_weight * aux + cfg.z_loss_weight * z
-
-
-def expert_load_metrics(router: list[list[torch.Tensor]]) -> dict:
-    """metrics.jsonl fields of one optimizer step from each microbatch's [aux (L,), z (L,),
-    tokens per expert (L, E)], summed over ranks (every rank calls this at the same steps).
-
-    moe_tokens_min / _max: the fewest and most (token, expert) assignments any expert of any layer
-    got in the step; moe_imbalance: the worst layer's max / mean tokens per expert (1.0 = even);
-    moe_aux_loss / moe_z_loss: unweighted, averaged over layers, microbatches and ranks."""
-    aux = torch.stack([r[0] for r in router]).mean(0)
-    z = torch.stack([r[1] for r in router]).mean(0)
-    counts = torch.stack([r[2] for r in router]).sum(0)  # (L, E)
-    packed = dist.all_reduce_sum(torch.cat([aux.mean()[None], z.mean()[None], counts.flatten()]))
-    world = dist.world_size()
-    counts = packed[2:].view_as(counts)
-    return {
-        "moe_aux_loss": float(packed[0]) / world,
-        "moe_z_loss": float(packed[1]) / world,
-        "moe_tokens_min": int(counts.min()),
-        "moe_tokens_max": int(counts.max()),
-        "moe_imbalance": float((counts.max(1).values / counts.mean(1)).max()),
-    }
 
 
 def init_moe(moe: MoE, std: float, out_std: float) -> None:

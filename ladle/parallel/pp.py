@@ -9,9 +9,11 @@ applies RoPE like the whole model would.
 Each optimizer step's microbatches (`train.grad_accum_steps`) are the pipeline's microbatches.
 Schedules: `gpipe`, `1f1b` (one stage per rank), `interleaved_1f1b`, `interleaved_zb`
 (interleaved zero bubble) and `zbv` (zero bubble, V-shaped: rank r holds stages r and 2pp-1-r),
-two stages per rank. The loss of a microbatch is its cross-entropy sum times the step's
-1 / (target tokens of the global batch) factor, as in the loop, with the schedule's own
-gradient scaling off.
+two stages per rank. The last stage computes the recipe's loss object (ladle/train/loss.py) on
+its output and the microbatch, scaled by the step's 1 / (units of the global batch) factor as in
+gradient accumulation, with the schedule's own gradient scaling off. The schedule splits tensors
+only, so it is handed each row's microbatch index as its `target` and the loss looks the
+microbatch up.
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ import copy
 
 import torch
 import torch.nn as nn
-
-from ladle.config import LadleConfig
-from ladle.train.loss import IGNORE_INDEX, cross_entropy_sum
 
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2}
 
@@ -96,43 +95,50 @@ class _Stage(nn.Module):
 
 
 class Pipeline:
-    def __init__(self, parts, stages: list[int], n_stages: int, cfg: LadleConfig, pp_group, device):
+    def __init__(
+        self, parts, stages: list[int], n_stages: int, schedule: str, n_micro: int, pp_group, device, hidden
+    ):
         from torch.distributed.pipelining import PipelineStage
 
         self.n_stages = n_stages
         self.first, self.last = 0 in stages, n_stages - 1 in stages
-        self.scale = 1.0
         self.modules = {s: _Stage(p, s == n_stages - 1) for p, s in zip(parts, stages, strict=True)}
         wrapped = [PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in self.modules.items()]
-        self.schedule = _schedule(cfg.parallel.pp_schedule, wrapped, cfg.train.grad_accum_steps, self._loss)
+        self.schedule = _schedule(schedule, wrapped, n_micro, self._loss)
         # Validation runs the stages in order by hand (forward only, any placement: torch's
         # zero-bubble V schedule has no forward-only mode).
         pp = torch.distributed.get_world_size(pp_group)
-        self.owner = {s: r for r in range(pp) for s in stage_ids(r, pp, cfg.parallel.pp_schedule)}
+        self.owner = {s: r for r in range(pp) for s in stage_ids(r, pp, schedule)}
         self.group, self.rank = pp_group, torch.distributed.get_rank(pp_group)
-        self.hidden_len = cfg.data.seq_len // cfg.parallel.tp  # sequence parallel: a shard of it
-        self.dim = cfg.model.dim
+        self.hidden = hidden  # (tokens, dim) of the activations passed between stages
+        self._step = None  # (loss, microbatches, scale, outputs) of the step being run
 
-    def _loss(self, logits, targets):
-        return cross_entropy_sum(logits, targets, IGNORE_INDEX) * self.scale
+    def _loss(self, output, index):
+        loss, micro, scale, outs = self._step
+        i = int(index[0])
+        out = loss.from_output(output, micro[i])
+        # By microbatch: on its first step the schedule also runs the loss on the outputs of its
+        # shape inference (uninitialised values); the real call of microbatch 0 replaces it.
+        outs[i] = out
+        return out.sum * scale if out.extra is None else out.sum * scale + out.extra / len(micro)
 
-    def run(self, micro: list[dict], scale: float, *, train: bool = True) -> torch.Tensor:
-        """Forward (and backward) of the step's microbatches through the pipeline; the sum of
-        their token cross-entropies on the rank holding the last stage, 0 elsewhere."""
-        self.scale = scale
-        cat = {k: torch.cat([b[k] for b in micro]) for k in ("tokens", "positions", "doc_ids", "targets")}
+    def run(self, micro: list[dict], loss, scale: float) -> list:
+        """Forward and backward of the step's microbatches through the schedule; the LossOut of
+        each microbatch on the rank holding the last stage, [] elsewhere."""
+        cat = {k: torch.cat([b[k] for b in micro]) for k in ("tokens", "positions", "doc_ids")}
         args = (cat["tokens"], cat["positions"], cat["doc_ids"]) if self.first else ()
-        losses: list[torch.Tensor] = []
-        kwargs = {"target": cat["targets"], "losses": losses} if self.last else {}
-        if not train:
-            return self._forward_only(cat)
+        self._step = (loss, micro, scale, {})
+        rows = micro[0]["tokens"].shape[0]
+        index = torch.arange(len(micro)).repeat_interleave(rows)  # row -> its microbatch
+        kwargs = {"target": index, "losses": []} if self.last else {}
         self.schedule.step(*args, **kwargs)
-        if not losses:
-            return torch.zeros((), device=micro[0]["tokens"].device)
-        return torch.stack([x.detach().float() for x in losses]).sum() / scale  # the microbatches' CE sums
+        outs, self._step = self._step[3], None
+        return [outs[i] for i in sorted(outs)]
 
     @torch.no_grad()
-    def _forward_only(self, b: dict) -> torch.Tensor:
+    def forward_only(self, b: dict, loss):
+        """The LossOut of one batch run through the stages in order on the last stage's rank, None
+        elsewhere."""
         out, dev = None, b["tokens"].device
         for s in range(self.n_stages):
             if self.owner[s] != self.rank:
@@ -143,7 +149,7 @@ class Pipeline:
                 inp = out
             else:
                 B = b["tokens"].shape[0]
-                x = torch.empty(B, self.hidden_len, self.dim, device=dev)
+                x = torch.empty(B, *self.hidden, device=dev)
                 pos, doc = torch.empty_like(b["positions"]), torch.empty_like(b["doc_ids"])
                 for t in (x, pos, doc):
                     torch.distributed.recv(t, group=self.group, group_src=self.owner[s - 1])
@@ -154,8 +160,8 @@ class Pipeline:
                 for t in (x.float().contiguous(), pos, doc):
                     torch.distributed.send(t, group=self.group, group_dst=self.owner[s + 1])
         if self.owner[self.n_stages - 1] == self.rank:
-            return cross_entropy_sum(out, b["targets"], IGNORE_INDEX)
-        return torch.zeros((), device=dev)
+            return loss.from_output(out, b)
+        return None
 
 
 def _schedule(kind: str, stages, n_micro: int, loss_fn):

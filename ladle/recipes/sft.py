@@ -1,7 +1,7 @@
 """Supervised finetuning: next-token prediction on chats, trained on the tokens their loss mask
 marks (the assistant turns by default), from data prepared with `ladle data prepare --task sft`.
 
-The loop, layouts, checkpoints and metrics are pretraining's (ladle/recipes/pretrain.py); only
+The loop, layouts, checkpoints and metrics are every recipe's (ladle/recipes/base.py); only
 the rows differ: chats packed into `data.seq_len` (or one per row, padded), their untrained
 targets ignored. Start from a Hugging Face folder or a ladle checkpoint with `model.init_from`.
 """
@@ -11,7 +11,9 @@ from __future__ import annotations
 from ladle.config import LadleConfig
 from ladle.data.packing import SFTSamples
 from ladle.data.sft import SFTSplit
-from ladle.recipes import pretrain
+from ladle.recipes import base
+
+DATA_TASK = "sft"  # `ladle data prepare --task sft`
 
 
 def sft_samples(cfg: LadleConfig, split: str, found: dict) -> SFTSamples:
@@ -27,4 +29,4 @@ def sft_samples(cfg: LadleConfig, split: str, found: dict) -> SFTSamples:
 
 
 def run(cfg: LadleConfig) -> str:
-    return pretrain.run(cfg, recipe="sft", samples=sft_samples)
+    return base.run(cfg, "sft", sft_samples)

@@ -3,7 +3,9 @@ folder that holds them: which checkpoint is whole, which one a run resumes from,
 
 Layout of `checkpoints/step_00000100/`:
 
-    .metadata, __*_*.distcp   model and optimizer (DCP: each rank writes its own shards)
+    .metadata, __*_*.distcp   the named stateful parts (DCP: each rank writes its own shards):
+                              the policy's `model.*` and `optim.*`, other trained models'
+                              under their names (`value_model.model.*`)
     trainer_state.json        step, tokens, data position, scheduler, loss scaler, config hash
     rng/rank_00000.safetensors the RNG state of every rank
     config.yaml               the resolved config of the run that wrote it
@@ -35,13 +37,12 @@ from pathlib import Path, PurePosixPath
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 
 from ladle import distributed as dist
@@ -57,6 +58,7 @@ ALTERED = "its sha256 differs from the manifest's (the file was altered or damag
 NO_MANIFEST = "missing: its save never finished, or a ladle from before manifests wrote it"
 # Frozen parameters (the base of an adapter run) are not saved: they come from model.init_from.
 TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+POLICY = "policy"  # the trained model of a run: its state is the checkpoint's `model` and `optim`
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
 
@@ -81,6 +83,20 @@ def _read_latest(root: Path) -> str | None:
             return f.read(256).decode("utf-8", "replace").strip()
     except OSError:
         return None
+
+
+def read_config(ckpt: str | Path) -> dict:
+    """The run config a checkpoint was written with (config.yaml), as a dict: the one reader of it."""
+    f = Path(ckpt) / CONFIG_FILE
+    if not f.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} has no config.yaml; it was not written by ladle")
+    try:
+        cfg = yaml.safe_load(f.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid YAML ({e}): the checkpoint is damaged") from e
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
+        raise CheckpointError(f"{f} holds no run config with a model section: the checkpoint is damaged")
+    return cfg
 
 
 def read_trainer_state(path: str | Path) -> dict:
@@ -374,9 +390,9 @@ class Checkpointer:
         self.last_stall_s = 0.0
 
     # -- saving ----------------------------------------------------------------------------
-    def save(
-        self, step: int, model, optimizer, extra: dict, config_yaml: str, *, blocking: bool = False
-    ) -> None:
+    def save(self, step: int, parts: dict, extra: dict, config_yaml: str, *, blocking: bool = False) -> None:
+        """Saves the named stateful `parts` (`state_dict()` -> what DCP saves; the trained policy
+        is `POLICY`), the JSON-able `extra` and the run's config as step `step`."""
         self.wait()  # at most one save in flight
         final = self.root / step_dir_name(step)
         tmp = self.root / f".{final.name}.tmp"
@@ -385,8 +401,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
-        state = {"model": msd, "optim": osd}
+        state = dcp_state(parts)
         try:
             (tmp / "rng").mkdir(exist_ok=True)
             save_file(_rng_state(self.device), str(tmp / "rng" / f"rank_{dist.rank():05d}.safetensors"))
@@ -466,29 +481,34 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     # -- loading ---------------------------------------------------------------------------
-    def load(self, path: str | Path, model, optimizer) -> dict:
-        """Fills model and optimizer in place from `path` (already verified: `find_newest`);
-        returns the trainer state dict."""
+    def load(self, path: str | Path, parts: dict) -> dict:
+        """Fills the named stateful `parts` in place from `path` (already verified: `find_newest`);
+        returns the trainer state dict. DCP reshards the saved layout into this one."""
         path = Path(path)
         extra = read_trainer_state(path)
-        msd, osd = get_state_dict(model, optimizer, options=TRAINABLE)
-        state = {"model": msd, "optim": osd}
+        state = dcp_state(parts)
         _read_dcp(state, path)
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            # Not strict: the frozen base is not in the state (TRAINABLE). Every key that is was
-            # found in the checkpoint, or the read above would have failed.
-            options=StateDictOptions(strict=False, ignore_frozen_params=True),
-        )
+        for name, part in parts.items():
+            part.load_state_dict(state if name == POLICY else state[name])
         rng = path / "rng" / f"rank_{dist.rank():05d}.safetensors"
         if rng.is_file():
             _set_rng_state(load_file(str(rng)), self.device)
         else:
             self.log(f"{path} has no RNG state for rank {dist.rank()} (different world size); RNG reseeded")
         return extra
+
+
+def dcp_state(parts: dict) -> dict:
+    """The DCP state of named stateful parts. The policy's keys sit at the top (`model.*`,
+    `optim.*`), as in checkpoints of one model, so those and weight readers (export, init_from)
+    work unchanged; every other part's sit under its name (`value_model.model.*`)."""
+    state = {}
+    for name, part in parts.items():
+        if name == POLICY:
+            state.update(part.state_dict())
+        else:
+            state[name] = part.state_dict()
+    return state
 
 
 def _read_dcp(state: dict, path: Path) -> None:

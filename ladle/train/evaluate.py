@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from ladle.data.folder import load_meta
 from ladle.data.loader import PackedSamples, collate
-from ladle.data.prepare import load_meta, open_split
+from ladle.data.prepare import open_split
 from ladle.errors import DataError
 from ladle.train.loss import IGNORE_INDEX, cross_entropy_sum
 

@@ -5,24 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 
 from ladle.config import ModelConfig
 from ladle.errors import CheckpointError, DataError
-from ladle.train.checkpoint import load_model_weights, resolve_checkpoint
-
-
-def checkpoint_config(ckpt: Path) -> dict:
-    f = ckpt / "config.yaml"
-    if not f.is_file():
-        raise CheckpointError(f"checkpoint {ckpt} has no config.yaml; it was not written by ladle")
-    try:
-        cfg = yaml.safe_load(f.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f} is not valid YAML ({e}): the checkpoint is damaged") from e
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
-        raise CheckpointError(f"{f} holds no run config with a model section: the checkpoint is damaged")
-    return cfg
+from ladle.train.checkpoint import load_model_weights, read_config, resolve_checkpoint
 
 
 def load_checkpoint_model(path: str | Path, device="cpu", dtype=torch.float32):
@@ -32,7 +18,7 @@ def load_checkpoint_model(path: str | Path, device="cpu", dtype=torch.float32):
     from ladle.models.llama import build_model
 
     ckpt = resolve_checkpoint(path)
-    run_cfg = checkpoint_config(ckpt)
+    run_cfg = read_config(ckpt)
     model_dict = {k: v for k, v in run_cfg["model"].items() if k != "init_from"}
     mcfg = ModelConfig.model_validate(model_dict)
     lora = run_cfg.get("lora")

@@ -1,15 +1,16 @@
-"""The training loop, written once and shared by every recipe.
+"""The training loop's cadence, written once and shared by every recipe.
 
-A recipe hands over a model, a loader (`next()` -> this rank's microbatches of the step,
-`state_dict()`, `data_s`) and optionally its own `loss_fn`; the loop does the rest: precision,
-gradient accumulation, loss normalisation over the global batch, clipping, the optimizer and
-schedule, validation, checkpoints, metrics, signals and non-finite guards. Read it top to bottom
-in `Trainer.fit`.
+A recipe hands over a trainable unit (ladle/train/unit.py: its model, optimizer, schedule,
+precision and clipping), a loader (`next()` -> this rank's microbatches of the step,
+`state_dict()`, `data_s`), a loss object (ladle/train/loss.py) and any other stateful parts to
+checkpoint. The loop decides when things happen: a step, the console line and metrics.jsonl
+(with the loss's own metrics), validation, checkpoints, signals, the non-finite guard. Read it
+top to bottom in `Trainer.fit`; a recipe whose step is more than forward, backward and update
+overrides `train_step`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import time
@@ -17,27 +18,20 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-import yaml
 
 from ladle import device as dev
 from ladle import distributed as dist
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_dict, to_yaml
-from ladle.models.moe import expert_load_metrics, router_losses
-from ladle.parallel.clip import clip_grad_norm_
-from ladle.parallel.mesh import Layout, Parallel
 from ladle.train import faults
-from ladle.train.checkpoint import Checkpointer
-from ladle.train.loss import IGNORE_INDEX, cross_entropy_sum
+from ladle.train.checkpoint import POLICY, Checkpointer, read_config
+from ladle.train.loss import Loss
 from ladle.train.metrics import format_line
-from ladle.train.optim import build_optimizer, build_scheduler
-from ladle.train.precision import Precision
+from ladle.train.unit import TrainUnit
 
 
-def config_changes(old_yaml: Path, cfg: LadleConfig) -> list[str]:
+def config_changes(ckpt: Path, cfg: LadleConfig) -> list[str]:
     """`key: old -> new` for every setting that differs from the checkpoint's config."""
-    if not old_yaml.is_file():
-        return []
 
     def flat(d, prefix=""):
         for k, v in d.items():
@@ -46,7 +40,7 @@ def config_changes(old_yaml: Path, cfg: LadleConfig) -> list[str]:
             else:
                 yield prefix + k, v
 
-    old = dict(flat(yaml.safe_load(old_yaml.read_text()) or {}))
+    old = dict(flat(read_config(ckpt)))
     new = dict(flat(to_dict(cfg)))
     return [
         f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v and k != "train.resume"
@@ -55,21 +49,6 @@ def config_changes(old_yaml: Path, cfg: LadleConfig) -> list[str]:
 
 class TrainingDiverged(RuntimeError):
     """Too many consecutive non-finite steps: the weights were never updated with them."""
-
-
-def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum (not mean) of the token cross-entropies; the loop divides by the global token count."""
-    logits = model(
-        batch["tokens"],
-        positions=batch.get("positions"),
-        doc_ids=batch.get("doc_ids"),
-        attention=batch.get("attention"),  # context parallelism's, with the batch's shard
-    )
-    return cross_entropy_sum(logits, batch["targets"], IGNORE_INDEX)
-
-
-def count_targets(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["targets"] != IGNORE_INDEX).sum())
 
 
 class StopSignal:
@@ -103,65 +82,68 @@ class Trainer:
         self,
         cfg: LadleConfig,
         run,  # ladle.train.run.RunDir
-        model: torch.nn.Module,
+        unit: TrainUnit,
         loader,
+        loss: Loss,
         *,
         flops_per_token: float,
         eval_batches: Callable[[], Iterable[dict]] | None = None,
-        loss_fn: Callable = causal_lm_loss,
-        parallel: Parallel | None = None,
-        pipeline=None,  # ladle.parallel.pp.Pipeline: forward and backward run through its schedule
+        parts: dict | None = None,  # other stateful parts to checkpoint, by name (a value model)
     ):
-        self.cfg, self.run, self.model, self.loader = cfg, run, model, loader
-        self.parallel = parallel or Parallel(Layout(), run.device)
-        self.pipeline = pipeline
+        self.cfg, self.run, self.unit, self.loader, self.loss = cfg, run, unit, loader, loss
+        self.parallel = unit.parallel
         self.device = run.device
-        self.loss_fn = loss_fn
         self.eval_batches = eval_batches
         self.flops_per_token = flops_per_token
-        self.precision = Precision(cfg.precision, self.device)
-        self.optimizer = build_optimizer(model, cfg.optim, self.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, cfg.train.max_steps)
+        self.parts = {POLICY: unit, **(parts or {})}
         self.checkpointer = Checkpointer(run.dir, cfg.checkpoint, self.device, log=run.events)
         self.step = 0
         self.tokens_seen = 0
         self.bad_steps = 0
         self.last_val: dict | None = None
         self.last_record: dict | None = None
+        self.recipe_metrics: dict = {}  # the loss's metrics of the last logged step
         self.peak_tflops, self.peak_source = dev.peak_tflops(
             self.device, dev.compute_dtype_name(cfg.precision.mode)
         )
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.unit.model
+
     # -- state -------------------------------------------------------------------------------
     def state(self) -> dict:
-        return {
+        """The JSON part of a checkpoint (trainer_state.json); the policy's scalars at the top."""
+        state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "data": self.loader.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "loss_scaler": self.precision.state_dict(),
+            **self.unit.scalars(),
             "config_hash": config_hash(self.cfg),
             "adapters_only": self.cfg.lora is not None,  # the frozen base is not in the checkpoint
             "world_size": dist.world_size(),
             "time": time.time(),
         }
+        units = {k: p.scalars() for k, p in self.parts.items() if k != POLICY and hasattr(p, "scalars")}
+        if units:
+            state["units"] = units
+        return state
 
     def resume_from(self, path) -> None:
-        extra = self.checkpointer.load(path, self.model, self.optimizer)
+        extra = self.checkpointer.load(path, self.parts)
         self.step = int(extra["step"])
         self.tokens_seen = int(extra["tokens_seen"])
         self.loader.load_state_dict(extra["data"])
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.precision.load_state_dict(extra.get("loss_scaler", {}))
+        self.unit.load_scalars(extra)
+        for name, scalars in extra.get("units", {}).items():
+            self.parts[name].load_scalars(scalars)
         self.run.events(f"resumed from {path} at step {self.step} ({self.tokens_seen:,} tokens seen)")
-        changed = config_changes(Path(path) / "config.yaml", self.cfg)
+        changed = config_changes(Path(path), self.cfg)
         if changed:
             self.run.events("resumed with changed settings: " + "; ".join(changed), level="warning")
 
     def save(self, *, blocking: bool = False) -> None:
-        self.checkpointer.save(
-            self.step, self.model, self.optimizer, self.state(), to_yaml(self.cfg), blocking=blocking
-        )
+        self.checkpointer.save(self.step, self.parts, self.state(), to_yaml(self.cfg), blocking=blocking)
         kind = (
             "async checkpoint started"
             if self.cfg.checkpoint.async_save and not blocking
@@ -171,73 +153,17 @@ class Trainer:
 
     # -- one optimizer step ----------------------------------------------------------------
     def train_step(self, micro: list[dict[str, torch.Tensor]]) -> dict:
-        # The loss is the sum over the real target tokens of the whole global batch divided by
-        # their number, so the gradient does not depend on how the batch is split into
-        # microbatches and ranks. Data-parallel wrappers (DDP, FSDP) average gradients over the
-        # ranks whose tokens differ (the data ranks, times cp: context parallelism splits each
-        # sample's tokens), hence that factor; the ranks of a TP or PP group share their tokens.
-        par = self.parallel
-        micro = [par.shard_sequence(b) for b in micro]
-        local = sum(count_targets(b) for b in micro)
-        total = int(par.all_reduce_loss(torch.tensor([local], device=self.device)).item())
-        scale = par.loss_size / max(total, 1)
-        self.model.train()
-        if self.pipeline is not None:  # the schedule runs every microbatch's forward and backward
-            with par.loss_context(), self.precision.autocast():
-                loss_sum, router = par.all_reduce_pp(self.pipeline.run(micro, scale)), None
-        else:
-            loss_sum, router = self._accumulate(micro, scale)
-        loss_val = float(par.all_reduce_loss(loss_sum).item()) / max(total, 1)
-        dev.synchronize(self.device)
-        t_bwd = time.perf_counter()
-
-        self.precision.unscale(self.optimizer)
-        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = float(clip_grad_norm_(self.model.parameters(), clip, pp_group=par.pp_group))
-        finite = math.isfinite(loss_val) and (math.isfinite(grad_norm) or self.precision.scaler is not None)
-        if finite:
-            stepped = self.precision.step(self.optimizer)
-        else:
-            stepped = False
-            if self.precision.scaler:  # let the scaler back off as it would for inf gradients
-                self.precision.scaler.update(self.precision.scaler.get_scale() / 2)
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
-        self.scheduler.step()
+        """Forward and backward of the step's microbatches, then the update. Returns the record
+        the loop logs: loss, lr, grad_norm, finite, skipped, tokens, t_bwd, metrics."""
+        result = self.unit.forward_backward(micro, self.loss)
+        update = self.unit.step(result.loss)
         return {
-            "lr": lr,
-            "loss": loss_val,
-            "grad_norm": grad_norm,
-            "finite": finite,
-            "skipped": not stepped,
-            "tokens": sum(b["tokens"].numel() for b in micro) * par.loss_size,
-            "t_bwd": t_bwd,
-            "router": router,
+            "loss": result.loss,
+            **update,
+            "tokens": result.tokens,
+            "t_bwd": result.t_bwd,
+            "metrics": result.metrics,
         }
-
-    def _accumulate(self, micro: list[dict], scale: float) -> tuple[torch.Tensor, list | None]:
-        """Forward and backward of each microbatch; (the sum of their token losses, the MoE
-        router statistics per microbatch or None)."""
-        par, moe = self.parallel, self.cfg.model.moe
-        core = getattr(self.model, "module", self.model)  # unwrapped from DDP
-        router = [] if moe else None  # per microbatch: (aux, z, tokens per expert (L, E))
-        loss_sum = torch.zeros((), device=self.device)
-        for i, b in enumerate(micro):
-            # A data-parallel wrapper all-reduces gradients on the last microbatch only.
-            sync = i == len(micro) - 1 or not hasattr(self.model, "no_sync")
-            with contextlib.nullcontext() if sync else self.model.no_sync(), par.loss_context():
-                with self.precision.autocast():
-                    loss = self.loss_fn(self.model, b)
-                    total_loss = loss * scale
-                    if moe:
-                        # Router losses are means: averaged over microbatches here and over
-                        # ranks by the data-parallel gradient average.
-                        stats = core.router_stats
-                        total_loss = total_loss + router_losses(stats, moe) / len(micro)
-                        router.append([torch.stack([s[j].detach().float() for s in stats]) for j in range(3)])
-                self.precision.scale(total_loss).backward()
-            loss_sum += loss.detach()
-        return loss_sum, router
 
     def check_finite(self, out: dict) -> None:
         """A non-finite loss is reported with its step and never reaches the weights: the update
@@ -259,33 +185,19 @@ class Trainer:
             )
 
     # -- validation --------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict | None:
         if self.eval_batches is None:
             return None
         t0 = time.perf_counter()
-        self.model.eval()
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        count = torch.zeros((), device=self.device, dtype=torch.float64)
-        for b in self.eval_batches():
-            b = self.parallel.shard_sequence(b)
-            with self.parallel.loss_context(), self.precision.autocast():
-                if self.pipeline is not None:
-                    loss_sum += self.parallel.all_reduce_pp(self.pipeline.run([b], 1.0, train=False)).double()
-                else:
-                    loss_sum += self.loss_fn(self.model, b).double()
-            count += count_targets(b)
-        self.parallel.all_reduce_loss(loss_sum)
-        self.parallel.all_reduce_loss(count)
-        if count.item() == 0:
+        got = self.unit.evaluate(self.eval_batches(), self.loss)
+        if got is None:
             return None
-        val = float(loss_sum / count)
-        rec = {
-            "step": self.step,
-            "val_loss": val,
-            "val_ppl": math.exp(min(val, 50.0)),
-            "eval_s": time.perf_counter() - t0,
-        }
+        val, _, metrics = got
+        rec = {"step": self.step, "val_loss": val}
+        if self.loss.perplexity:
+            rec["val_ppl"] = math.exp(min(val, 50.0))
+        rec.update({f"val_{k}": v for k, v in metrics.items()})
+        rec["eval_s"] = time.perf_counter() - t0
         self.run.metrics.write(rec)
         self.last_val = rec
         return rec
@@ -362,9 +274,10 @@ class Trainer:
             return
         rec = self.evaluate()
         if rec:
-            bar.print(
-                f"step {rec['step']:>6} | val_loss {rec['val_loss']:.4f} | val_ppl {rec['val_ppl']:.2f}"
-            )
+            shown = [f"step {rec['step']:>6}", f"val_loss {rec['val_loss']:.4f}"]
+            shown += [f"val_ppl {rec['val_ppl']:.2f}"] if "val_ppl" in rec else []
+            shown += [f"val_{k} {rec[f'val_{k}']:.4g}" for k in self.loss.console if f"val_{k}" in rec]
+            bar.print(" | ".join(shown))
 
     def log_step(self, out: dict, window: dict, bar) -> None:
         n = max(1, window["steps"])
@@ -385,13 +298,13 @@ class Trainer:
             "mem_peak_bytes": dev.peak_memory_bytes(self.device),
             "skipped": out["skipped"],
         }
-        if self.precision.loss_scale is not None:
-            rec["loss_scale"] = self.precision.loss_scale
-        if out["router"]:
-            rec.update(expert_load_metrics(out["router"]))
+        if self.unit.precision.loss_scale is not None:
+            rec["loss_scale"] = self.unit.precision.loss_scale
+        rec.update(out["metrics"])  # the recipe's own, by the names its loss gives them
         self.run.metrics.write(rec)
         self.last_record = rec
-        bar.print(format_line(rec))
+        self.recipe_metrics = out["metrics"]
+        bar.print(format_line(rec, self.loss.console))
 
 
 def _new_window() -> dict:

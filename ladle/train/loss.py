@@ -1,4 +1,15 @@
-"""Cross-entropy over large vocabularies without fp32 copies of the logits.
+"""Losses: objects a recipe hands to the loop, and the chunked cross-entropy they build on.
+
+A loss returns, for one microbatch, its *sum* over the units it counts (target tokens for a
+language model, pairs for DPO, sequences or tokens for RL), that count, and named metrics summed
+over the same units. The trainable unit (ladle/train/unit.py) all-reduces the counts of the step's
+global batch first and scales every sum by 1 / count, so the gradient does not depend on how the
+batch is split into microbatches and ranks, and the same loss runs under gradient accumulation and
+under the pipeline schedule. Metrics are summed over microbatches and ranks and turned into the
+logged values by `Loss.summarize`: they reach metrics.jsonl, the console and the run card without
+the loop knowing their names.
+
+Cross-entropy over large vocabularies without fp32 copies of the logits:
 
 `F.cross_entropy(logits.float(), ...)` on bf16 logits writes three full fp32 tensors of
 tokens x vocab (the upcast, the log-softmax, and in backward a zero-filled gradient before the
@@ -11,9 +22,13 @@ logits' own dtype. The math is the same (fp32 accumulation); only rounding order
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
+from ladle.config.schema import MoEConfig
 
 IGNORE_INDEX = -100
 
@@ -71,3 +86,97 @@ def cross_entropy_sum(
         )
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
     return _CrossEntropySum.apply(logits, targets, ignore_index)
+
+
+@dataclass
+class LossOut:
+    """One microbatch's loss: `sum` (with its graph) over `count` units, detached metric sums over
+    the same units, and `extra`: a term that is a mean already (MoE router losses), added to the
+    objective averaged over the step's microbatches and, by the gradient average, over ranks."""
+
+    sum: torch.Tensor
+    count: int | torch.Tensor  # a 0-dim tensor spares an accelerator sync
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra: torch.Tensor | None = None
+
+
+class Loss:
+    """What a recipe trains on. Subclasses define `count` (known from the batch before the
+    forward pass, so the step can be normalised before backward) and `from_output`; `__call__`
+    runs the model, `from_output` is what the last pipeline stage calls on its output."""
+
+    console: tuple[str, ...] = ()  # metrics shown on the console line beside the loss
+    perplexity = False  # validation also reports exp(loss)
+
+    def count(self, batch: dict) -> int:
+        raise NotImplementedError
+
+    def forward(self, model, batch: dict):
+        return model(
+            batch["tokens"],
+            positions=batch.get("positions"),
+            doc_ids=batch.get("doc_ids"),
+            attention=batch.get("attention"),  # context parallelism's, with the batch's shard
+        )
+
+    def from_output(self, output, batch: dict) -> LossOut:
+        raise NotImplementedError
+
+    def __call__(self, model, batch: dict) -> LossOut:
+        return self.from_output(self.forward(model, batch), batch)
+
+    def summarize(self, totals: dict[str, float], count: int, parts: int) -> dict:
+        """Logged values from metric sums over the global batch (`count` units, `parts`
+        microbatch-rank contributions): means per unit by default."""
+        return {k: v / max(count, 1) for k, v in totals.items()}
+
+
+class CausalLMLoss(Loss):
+    """Next-token cross-entropy summed over the target tokens (those not IGNORE_INDEX). On an MoE
+    model it adds the weighted router losses of the forward pass and reports expert load."""
+
+    perplexity = True
+
+    def __init__(self, moe: MoEConfig | None = None):
+        self.moe = moe
+        if moe:
+            self.console = (*self.console, "moe_imbalance")
+
+    def count(self, batch: dict) -> int:
+        return int((batch["targets"] != IGNORE_INDEX).sum())
+
+    def from_output(self, logits, batch: dict) -> LossOut:
+        targets = batch["targets"]
+        return LossOut(cross_entropy_sum(logits, targets, IGNORE_INDEX), (targets != IGNORE_INDEX).sum())
+
+    def __call__(self, model, batch: dict) -> LossOut:
+        out = super().__call__(model, batch)
+        stats = getattr(getattr(model, "module", model), "router_stats", None)  # unwrapped from DDP
+        if self.moe and stats:
+            out.extra = router_losses(stats, self.moe)
+            if model.training:  # per layer: aux (L,), z (L,), tokens per expert (L, E)
+                aux, z, counts = (torch.stack([s[j].detach().float() for s in stats]) for j in range(3))
+                out.metrics = {"moe_aux_loss": aux.mean(), "moe_z_loss": z.mean(), "moe_tokens": counts}
+        return out
+
+    def summarize(self, totals: dict, count: int, parts: int) -> dict:
+        """moe_tokens_min / _max: the fewest and most (token, expert) assignments any expert of any
+        layer got in the step; moe_imbalance: the worst layer's max / mean tokens per expert (1.0 =
+        even); moe_aux_loss / moe_z_loss: unweighted, averaged over layers, microbatches, ranks."""
+        if "moe_tokens" not in totals:
+            return {}
+        counts = totals["moe_tokens"]
+        return {
+            "moe_aux_loss": float(totals["moe_aux_loss"]) / parts,
+            "moe_z_loss": float(totals["moe_z_loss"]) / parts,
+            "moe_tokens_min": int(counts.min()),
+            "moe_tokens_max": int(counts.max()),
+            "moe_imbalance": float((counts.max(1).values / counts.mean(1)).max()),
+        }
+
+
+def router_losses(stats: list[tuple[torch.Tensor, ...]], cfg: MoEConfig) -> torch.Tensor:
+    """The weighted router losses of one forward pass, averaged over the MoE layers."""
+    aux = torch.stack([s[0] for s in stats]).mean()
+    z = torch.stack([s[1] for s in stats]).mean()
+    return cfg.aux_loss_weight * aux + cfg.z_loss_weight * z

@@ -67,7 +67,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def format_line(r: dict) -> str:
+def format_line(r: dict, console: tuple[str, ...] = ()) -> str:
+    """The console line of a logged step; `console`: the recipe's metrics to show (its loss's)."""
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}" if r.get("loss") is not None else "loss nan"]
     parts += [
         f"lr {r['lr']:.2e}",
@@ -81,8 +82,7 @@ def format_line(r: dict) -> str:
     parts.append(f"data {r['data_s'] * 1000:.0f}ms")
     if r.get("loss_scale") is not None:
         parts.append(f"scale {r['loss_scale']:.0f}")
-    if r.get("moe_imbalance") is not None:
-        parts.append(f"moe imbalance {r['moe_imbalance']:.2f}")
+    parts += [f"{k.replace('_', ' ')} {r[k]:.4g}" for k in console if r.get(k) is not None]
     return " | ".join(parts)
 
 

@@ -2,8 +2,9 @@
 
     OUTPUT_DIR/config.yaml  run_card.json  metrics.jsonl  events.log  checkpoints/
 
-`resolve_resume` runs before anything is written, so a refused start leaves the folder as it was.
-A restarted attempt of the same job (`restart_reason`) resumes whatever `train.resume` says.
+The resume decision (ladle/prelaunch.py) runs before anything is written, so a refused start
+leaves the folder as it was. A restarted attempt of the same job (`restart_reason`) resumes
+whatever `train.resume` says.
 """
 
 from __future__ import annotations
@@ -16,28 +17,23 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import yaml
 
 import ladle
 from ladle import device as dev
 from ladle import distributed as dist
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_yaml
-from ladle.errors import CheckpointError, ConfigError
 from ladle.train.checkpoint import (
-    CONFIG_FILE,
-    Found,
-    checkpoint_dirs,
     describe,
-    find_newest,
-    read_trainer_state,
-    verify,
 )
 from ladle.train.metrics import ConsoleProgress, EventLog, MetricsWriter, make_console
+
+if TYPE_CHECKING:
+    from ladle.prelaunch import Resume
 
 
 # -- is this a restarted attempt of the job that wrote the run directory? -----------------------
@@ -67,80 +63,6 @@ def restart_reason(out: str | Path) -> str | None:
     if int(os.environ.get("SLURM_RESTART_COUNT") or 0):
         return f"SLURM requeued job {mine} (restart {os.environ['SLURM_RESTART_COUNT']})"
     return None
-
-
-@dataclass
-class Resume:
-    """The decision `resolve_resume` takes: where from, why, and what it saw on the way."""
-
-    path: Path | None  # the checkpoint to resume from; None: a fresh start
-    restart: str | None = None  # why this is a restarted attempt, when it is one
-    found: Found | None = None  # the checkpoints folder as `find_newest` saw it
-
-    @property
-    def step(self) -> int:
-        return int(read_trainer_state(self.path)["step"]) if self.path else 0
-
-
-def resolve_resume(cfg: LadleConfig, restart: str | None = None, check=verify) -> Resume:
-    """Where a run starts: a fresh start, or the checkpoint to resume. Refuses to start over a
-    run's checkpoints unless asked to resume (or a restarted attempt), to resume a checkpoint of
-    another model shape, and to resume when no checkpoint of the run is whole; never starts over
-    there. `check(path)` -> problems by file ({} when whole); `verify` by default."""
-    out = Path(cfg.output_dir)
-    mode = "auto" if restart else cfg.train.resume
-    if mode == "never":
-        dirs = checkpoint_dirs(out)
-        if dirs or (out / "checkpoints" / "latest").exists():
-            newest = dirs[0].name if dirs else "none whole"
-            try:
-                theirs = read_trainer_state(dirs[0]).get("config_hash", "?")
-            except (CheckpointError, IndexError):
-                theirs = "?"
-            same = (
-                "this same config" if theirs == config_hash(cfg) else f"another config (hash {theirs[:12]})"
-            )
-            raise ConfigError(
-                f"output_dir {out} already holds checkpoints of a run with {same} (newest: {newest}); "
-                "set train.resume=auto to continue it, or choose another output_dir"
-            )
-        if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size:
-            raise ConfigError(
-                f"output_dir {out} already holds a run's metrics.jsonl; set train.resume=auto to continue "
-                "it (from its last checkpoint, or afresh if it has none), or choose another output_dir"
-            )
-        return Resume(None)
-    found = None
-    if mode == "auto":
-        found = find_newest(out, check)
-        if found.path is None and found.any:
-            why = "; ".join(f"{name}: {describe(p)}" for name, p in found.skipped) or found.latest_problem
-            raise CheckpointError(
-                f"output_dir {out} holds checkpoints, but none is whole ({why}). ladle does not start "
-                "over a run's checkpoints: repair or move them away, or choose another output_dir"
-            )
-        path = found.path
-    else:
-        path = Path(mode)
-        problems = check(path) if path.is_dir() else {str(path): "no such checkpoint folder"}
-        if problems:
-            raise CheckpointError(
-                f"cannot resume from {path}: {describe(problems)}; resume from another checkpoint "
-                f"(`ladle checkpoint verify {out}` lists the whole ones) or use train.resume=auto"
-            )
-    if path is None:
-        return Resume(None, restart, found)
-    read_trainer_state(path)  # raises when not a complete checkpoint
-    theirs = yaml.safe_load((path / CONFIG_FILE).read_text()) if (path / CONFIG_FILE).is_file() else {}
-    mine = cfg.model.model_dump(mode="json")
-    old = theirs.get("model", {})
-    diff = [f"model.{k} ({old.get(k)!r} there, {v!r} here)" for k, v in mine.items() if old.get(k) != v]
-    if diff:
-        raise CheckpointError(
-            f"cannot resume from {path}: its model differs in {'; '.join(diff)}; "
-            "resume with the model it was trained with, or start a new output_dir"
-        )
-    return Resume(path, restart, found)
 
 
 def _git_commit() -> str | None:

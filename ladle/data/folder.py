@@ -1,0 +1,147 @@
+"""A prepared data folder: its meta.json, its shards' writers, and the atomic writing of the whole.
+
+Every `ladle data prepare` task (pretraining text, SFT chats, preference pairs) writes through
+`FolderWriter` and is read through `load_meta`, so the format checks, the bad-record summary and
+the guarantee that a reader never sees half a folder live here once.
+
+    OUT/meta.json            format, version, task, tokenizer hash, splits, bad records, options
+    OUT/train_00000.bin/.idx Megatron-format shards of each split (`ladle/data/indexed.py`)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ladle.data.indexed import IndexedDatasetWriter
+from ladle.errors import DataError
+
+FORMAT = "megatron-mmidx"
+VERSION = 1
+SPLITS = ("train", "val")
+MAX_EXAMPLES = 5  # `file:line` examples kept per bad-record reason
+
+
+def load_meta(data_dir: str | os.PathLike) -> dict:
+    path = Path(data_dir) / "meta.json"
+    if not path.is_file():
+        raise DataError(
+            f"data folder {data_dir} not found (or has no meta.json): run `ladle data prepare` first"
+        )
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not valid JSON ({e}): run `ladle data prepare` again") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise DataError(
+            f"{path} is not a {FORMAT} version {VERSION} meta file: run `ladle data prepare` again"
+        )
+    return meta
+
+
+def bad_reasons(meta: dict) -> str:
+    """'reason: count (e.g. file:line); ...' of a meta.json's bad records ('' if none)."""
+    return "; ".join(
+        f"{reason}: {count} (e.g. {meta['bad_examples'][reason][0]})"
+        for reason, count in meta["bad_records"].items()
+    )
+
+
+def in_val(seed: int, ordinal: int, fraction: float) -> bool:
+    """Whether record `ordinal` is held out: a hash of (seed, ordinal), so the split does not
+    depend on the order of the workers or on the other records."""
+    digest = hashlib.blake2b(f"{seed}:{ordinal}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+def tokenizer_fields(tok) -> dict:
+    """meta.json's record of the tokenizer, which `ladle run` checks the config's against."""
+    return {
+        "tokenizer_hash": tok.hash,
+        "tokenizer_path": str(tok.path.resolve()),
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+    }
+
+
+class FolderWriter:
+    """Writes a data folder atomically: everything goes to a hidden sibling `.OUT.tmp-PID`, which
+    replaces OUT only once `commit(meta)` has written meta.json; on any error the sibling is
+    removed and OUT is untouched. OUT may be absent, empty or an earlier prepare output.
+
+        with FolderWriter(out) as w:   # refuses an OUT that is something else
+            ... write shards under w.tmp ...
+            w.commit(meta)
+    """
+
+    def __init__(self, out: str | os.PathLike):
+        self.out = Path(out)
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
+        self.skip = [self.out, self.tmp]  # an output inside an input folder is not read back as input
+        if self.out.exists():
+            if not self.out.is_dir():
+                raise DataError(f"output {self.out} exists and is not a folder; choose another output path")
+            if not (self.out / "meta.json").is_file() and any(self.out.iterdir()):
+                raise DataError(
+                    f"output folder {self.out} is not empty and is not a `ladle data prepare` output (no "
+                    "meta.json); choose another output folder or empty this one"
+                )
+
+    def __enter__(self) -> FolderWriter:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)  # after a commit there is nothing left to remove
+
+    def commit(self, meta: dict) -> None:
+        (self.tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        # POSIX cannot swap two folders atomically: the old one is moved aside only now that the
+        # new one is complete, and deleted after.
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(self.out, old)
+            os.rename(self.tmp, self.out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(self.tmp, self.out)
+
+
+class SplitWriter:
+    """The shards of one split: opens the next shard when the current one would exceed shard_tokens."""
+
+    def __init__(self, folder: Path, name: str, dtype: np.dtype, shard_tokens: int):
+        self.folder, self.name, self.dtype, self.shard_tokens = folder, name, dtype, shard_tokens
+        self.shards: list[str] = []
+        self.documents = 0
+        self.tokens = 0
+        self._writer: IndexedDatasetWriter | None = None
+
+    def add(self, doc: np.ndarray) -> None:
+        if self._writer is not None and self._writer.num_tokens + doc.size > self.shard_tokens:
+            self._writer.finalize()
+            self._writer = None
+        if self._writer is None:
+            self.shards.append(f"{self.name}_{len(self.shards):05d}")
+            self._writer = IndexedDatasetWriter(self.folder / self.shards[-1], self.dtype)
+        self._writer.add_document(doc)
+        self.documents += 1
+        self.tokens += doc.size
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.finalize()
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+
+    def summary(self) -> dict:
+        return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}

@@ -1,0 +1,304 @@
+"""`ladle data prepare --task preference`: preference pairs (a prompt, a chosen and a rejected
+completion) to token ids plus a loss mask on the completion, for reward models and DPO.
+
+Records are jsonl lines or Parquet rows in the shapes people have; each record's shape is told
+from its fields:
+    prompt    {"prompt": "...", "chosen": "...", "rejected": "..."}
+    messages  {"chosen": [messages], "rejected": [messages]}: the shared first turns are the
+              prompt, the one assistant message after them each side's completion
+              (UltraFeedback-binarized; a "prompt" field beside them is ignored)
+    prompt_messages {"prompt": [messages], "chosen": [one message], "rejected": [one message]}
+    hh        {"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ...", "rejected": "..."} (HH-RLHF):
+              the strings are split into turns, then read as `messages`
+
+Both sides are rendered with the chat template (ladle/data/chat.py) as prompt + completion and
+tokenized once; the mask marks the completion's tokens (with its end-of-turn token), never the
+prompt's. A pair is two documents of the split's shards, chosen then rejected, so the folder has
+the SFT layout (ladle/data/sft.py: token and mask shards) with `"task": "preference"`.
+
+Bad records are skipped, counted and named with file and line: invalid JSON, a missing field,
+chosen identical to rejected, chosen and rejected whose prompts differ, a completion empty after
+truncation (`--max-len`, `--overlong truncate`: the end of a side is cut). `--strict` stops at
+the first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ladle.data.folder import (
+    FORMAT,
+    MAX_EXAMPLES,
+    VERSION,
+    FolderWriter,
+    SplitWriter,
+    bad_reasons,
+    in_val,
+    tokenizer_fields,
+)
+from ladle.data.indexed import dtype_for_vocab
+from ladle.data.sft import OVERLONG, BadRecord, ChatEncoder, SFTSplit, check_roles
+from ladle.data.sources import iter_files, iter_rows, no_files_message
+from ladle.errors import DataError
+from ladle.tokenizer import load_tokenizer
+
+TASK = "preference"
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):[ \t]?")
+
+
+def to_pair(obj: dict) -> tuple[list[dict], dict, dict, str]:
+    """(prompt messages, chosen message, rejected message, the record's shape), or BadRecord."""
+    for key in ("chosen", "rejected"):
+        if key not in obj:
+            raise BadRecord(f"missing field '{key}'")
+    chosen, rejected, prompt = obj["chosen"], obj["rejected"], obj.get("prompt")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if prompt is None:
+            if not (_HH_TURN.search(chosen) and _HH_TURN.search(rejected)):
+                raise BadRecord("missing field 'prompt' (and chosen/rejected are not HH-RLHF turns)")
+            return (*_shared_prompt(parse_hh(chosen), parse_hh(rejected)), "hh")
+        prompt_msgs = _prompt(prompt)
+        pair = (prompt_msgs, _assistant(chosen), _assistant(rejected), "prompt")
+    elif isinstance(chosen, list) and isinstance(rejected, list):
+        single = len(chosen) == 1 and len(rejected) == 1
+        if single and prompt is not None:  # the prompt beside one-message completions
+            c, r = _message(chosen[0], "chosen"), _message(rejected[0], "rejected")
+            pair = (_prompt(prompt), c, r, "prompt_messages")
+        else:
+            c = [_message(m, "chosen") for m in chosen]
+            r = [_message(m, "rejected") for m in rejected]
+            return (*_shared_prompt(c, r), "messages")
+    else:
+        raise BadRecord("'chosen' and 'rejected' must both be strings or both message lists")
+    _check(*pair[:3])
+    return pair
+
+
+def parse_hh(text: str) -> list[dict]:
+    """HH-RLHF's '\\n\\nHuman: ...\\n\\nAssistant: ...' as messages."""
+    parts = _HH_TURN.split("\n\n" + text.lstrip("\n") if not text.startswith("\n\n") else text)
+    if parts[0].strip():
+        raise BadRecord("text before the first '\\n\\nHuman:' turn")
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [
+        {"role": roles[who], "content": body.strip()}
+        for who, body in zip(parts[1::2], parts[2::2], strict=True)
+    ]
+
+
+def _shared_prompt(chosen: list[dict], rejected: list[dict]) -> tuple[list[dict], dict, dict]:
+    """The shared first turns are the prompt; after them each side has one assistant message."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n == len(chosen) == len(rejected):
+        raise BadRecord("chosen identical to rejected")
+    n = min(n, len(chosen) - 1, len(rejected) - 1)  # a side that is a prefix of the other has no completion
+    if len(chosen) != n + 1 or len(rejected) != n + 1 or chosen[:n] != rejected[:n]:
+        raise BadRecord("chosen and rejected prompts differ (they must share all turns but the last)")
+    pair = (chosen[:n], chosen[n], rejected[n])
+    _check(*pair)
+    return pair
+
+
+def _check(prompt: list[dict], chosen: dict, rejected: dict) -> None:
+    if not prompt:
+        raise BadRecord("empty prompt")
+    for side, m in (("chosen", chosen), ("rejected", rejected)):
+        if m["role"] != "assistant":
+            raise BadRecord(f"the {side} completion is a {m['role']!r} message, not the assistant's")
+        check_roles([*prompt, m])
+    if chosen["content"] == rejected["content"]:
+        raise BadRecord("chosen identical to rejected")
+
+
+def _prompt(prompt) -> list[dict]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list):
+        return [_message(m, "prompt") for m in prompt]
+    raise BadRecord("'prompt' must be a string or a message list")
+
+
+def _assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def _message(m, field: str) -> dict:
+    if isinstance(m, str):  # a bare completion string in a one-element list
+        return _assistant(m)
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise BadRecord(f"a message of '{field}' has no 'role'")
+    return {"role": m["role"], "content": m.get("content")}
+
+
+# -- the prepared folder ------------------------------------------------------------------------
+def prepare_preference(
+    inputs: Sequence[str | os.PathLike],
+    *,
+    tokenizer: str | os.PathLike,
+    output: str | os.PathLike,
+    template: str | None = None,
+    max_len: int = 4096,
+    overlong: str = "truncate",
+    glob: str | None = None,
+    exclude: list[str] | None = None,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+    strict: bool = False,
+    shard_tokens: int = 2**28,
+    progress: bool = True,
+) -> dict:
+    """Tokenize the preference pairs of `inputs` into the folder `output` (written beside it and
+    renamed into place when complete); return its meta.json."""
+    if isinstance(inputs, str | os.PathLike):
+        inputs = [inputs]
+    inputs = [str(i) for i in inputs]
+    if overlong not in OVERLONG:
+        raise DataError(f"--overlong {overlong!r}: choose one of {', '.join(OVERLONG)}")
+    if max_len < 2:
+        raise DataError(f"--max-len must be at least 2, got {max_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    tok = load_tokenizer(tokenizer)
+    encoder = ChatEncoder(tok, template, mask="last_turn")
+    out = FolderWriter(output)
+    if next(iter_files(inputs, glob, exclude, skip=out.skip), None) is None:
+        raise DataError(no_files_message(inputs, glob, exclude))
+    dtype = dtype_for_vocab(tok.vocab_size)
+    t0 = time.perf_counter()
+    with out:
+        rows = iter_rows(inputs, glob=glob, exclude=exclude, skip=out.skip)
+        stats = _encode_into(
+            out.tmp, rows, encoder, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
+        )
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "task": TASK,
+            **tokenizer_fields(tok),
+            "dtype": np.dtype(dtype).name,
+            "template": encoder.template_name,
+            "max_len": max_len,
+            "overlong": overlong,
+            **stats,
+            "inputs": [str(Path(i).resolve()) for i in inputs],
+            "seed": seed,
+            "val_fraction": val_fraction,
+        }
+        if not meta["splits"]["train"]["pairs"]:
+            reasons = bad_reasons(meta)
+            raise DataError(
+                f"no usable preference pairs in {', '.join(inputs)}: {reasons or 'the files hold no records'}"
+            )
+        out.commit(meta)
+    if progress:
+        _print_summary(meta, out.out, time.perf_counter() - t0)
+    return meta
+
+
+def _encode_into(
+    folder, rows: Iterator, encoder, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
+):
+    tokens = {s: SplitWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
+    masks = {s: SplitWriter(folder, f"{s}_mask", np.uint8, shard_tokens) for s in ("train", "val")}
+    bad: Counter[str] = Counter()
+    examples: dict[str, list[str]] = {}
+    counts: Counter[str] = Counter()
+    shapes: Counter[str] = Counter()
+
+    def skip(source: str, reason: str) -> None:
+        if strict:
+            raise DataError(f"{source}: {reason} (strict mode stops at the first bad record)")
+        bad[reason] += 1
+        ex = examples.setdefault(reason, [])
+        if len(ex) < MAX_EXAMPLES:
+            ex.append(source)
+
+    try:
+        for ordinal, (source, obj, reason) in enumerate(rows, start=1):
+            if reason is not None:
+                skip(source, reason)
+                continue
+            try:
+                prompt, chosen, rejected, shape = to_pair(obj)
+                sides = [encoder.encode([*prompt, m]) for m in (chosen, rejected)]
+                over = any(len(ids) > max_len for ids, _ in sides)
+                if over and overlong == "drop":
+                    counts["dropped_overlong"] += 1
+                    continue
+                sides = [(ids[:max_len], mask[:max_len]) for ids, mask in sides]
+                if not all(mask[1:].any() for _, mask in sides):  # the first token is never a target
+                    raise BadRecord("a completion is empty after truncation (raise --max-len)")
+            except BadRecord as e:
+                skip(source, str(e))
+                continue
+            counts["truncated"] += over
+            shapes[shape] += 1
+            split = "val" if val_fraction and in_val(seed, ordinal, val_fraction) else "train"
+            for ids, mask in sides:  # chosen, then rejected
+                tokens[split].add(ids.astype(dtype))
+                masks[split].add(mask.astype(np.uint8))
+                counts[f"{split}_trained_tokens"] += int(mask[1:].sum())
+        for w in (*tokens.values(), *masks.values()):
+            w.close()
+    except BaseException:
+        for w in (*tokens.values(), *masks.values()):
+            w.abort()
+        raise
+    splits = {
+        s: {**w.summary(), "mask_shards": masks[s].shards, "pairs": w.documents // 2}
+        for s, w in tokens.items()
+    }
+    for s in splits:
+        splits[s]["trained_tokens"] = counts.pop(f"{s}_trained_tokens", 0)
+    return {
+        "splits": splits,
+        "record_shapes": dict(shapes),
+        "truncated": counts["truncated"],
+        "dropped_overlong": counts["dropped_overlong"],
+        "bad_records": dict(bad),
+        "bad_examples": examples,
+    }
+
+
+def _print_summary(meta: dict, out: Path, seconds: float) -> None:
+    tr, va = meta["splits"]["train"], meta["splits"]["val"]
+    shapes = ", ".join(f"{k} {v:,}" for k, v in meta["record_shapes"].items())
+    print(
+        f"prepared {tr['pairs'] + va['pairs']:,} preference pairs ({shapes}; template {meta['template']}): "
+        f"train {tr['pairs']:,} / {tr['tokens']:,} tokens, val {va['pairs']:,} / {va['tokens']:,} tokens; "
+        f"{meta['truncated']} truncated, {meta['dropped_overlong']} dropped as over {meta['max_len']} tokens, "
+        f"in {seconds:.1f}s -> {out}",
+        file=sys.stderr,
+    )
+    if meta["bad_records"]:
+        print(f"{sum(meta['bad_records'].values())} records skipped:", file=sys.stderr)
+        for reason, count in meta["bad_records"].items():
+            print(f"  {reason}: {count} (e.g. {', '.join(meta['bad_examples'][reason])})", file=sys.stderr)
+
+
+class PreferenceSplit:
+    """The pairs of one split of a prepared preference folder: `get(i)` -> (chosen ids, chosen
+    mask, rejected ids, rejected mask)."""
+
+    def __init__(self, data_dir: str | os.PathLike, split: str = "train"):
+        self.docs = SFTSplit(data_dir, split, task=TASK)
+        if len(self.docs) % 2:
+            raise DataError(f"{data_dir}: the {split} split holds an odd number of sequences; prepare again")
+        self.meta = self.docs.meta
+        self.lengths = self.docs.lengths.reshape(-1, 2)  # (pairs, [chosen, rejected])
+
+    def __len__(self) -> int:
+        return len(self.docs) // 2
+
+    def get(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return (*self.docs.get(2 * i), *self.docs.get(2 * i + 1))

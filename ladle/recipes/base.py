@@ -1,0 +1,223 @@
+"""What every recipe shares: check, build, train, report. A recipe module passes its rows
+(`samples(cfg, split, found)`) and its loss object to `run`, and gets the resume decision, the
+layout, the policy built and laid out, the loaders, the loop, the end-of-run sample and the run
+card. See ladle/recipes/pretrain.py and sft.py for the shortest recipes on it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ladle import device as dev
+from ladle import distributed as dist
+from ladle.config import LadleConfig
+from ladle.data.loader import (
+    BatchLayout,
+    PretrainLoader,
+    SharedLoader,
+    eval_batch_count,
+    eval_batches,
+)
+from ladle.models.llama import Llama, count_params
+from ladle.models.lora import apply_lora
+from ladle.parallel.compile import eager
+from ladle.parallel.mesh import Layout, Parallel
+from ladle.parallel.parallelize import gather_model
+from ladle.prelaunch import Checked, Resume, check, worker_resume
+from ladle.train.builder import build_model
+from ladle.train.loop import Trainer
+from ladle.train.loss import CausalLMLoss, Loss
+from ladle.train.metrics import flops_per_token
+from ladle.train.precision import resolve_mode
+from ladle.train.run import RunDir, throughput_summary
+from ladle.train.unit import TrainUnit
+
+
+def build_trainer(
+    cfg: LadleConfig,
+    device: torch.device,
+    found: Checked,
+    resume: Resume | None,
+    par: Parallel | None = None,
+    recipe: str = "pretrain",
+    samples=None,  # (cfg, split, found) -> rows with len() and get(i); pretraining's by default
+    loss: Loss | None = None,  # the causal-LM loss by default
+) -> Trainer:
+    par = par or Parallel(Layout(), device)
+    resume = resume or Resume(None)
+    if samples is None:
+        from ladle.recipes.pretrain import packed_samples as samples
+    run = RunDir(cfg, device, recipe=recipe, resume=resume)
+    built = build_model(cfg, par, device, load=resume.path is None)
+    for note in built.notes:
+        run.events(note)
+    if built.source:
+        run.events(f"weights from {built.source}")
+    n_params = count_params(cfg.model)
+    n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
+    fpt, trained = model_flops(cfg, n_no_embed)
+    train, loader, val, evaluate = make_loaders(cfg, par, samples, found, device, run)
+    unit = TrainUnit(cfg, built.model, device, par, built.pipeline)
+    loss = loss or CausalLMLoss(cfg.model.moe)
+    trainer = Trainer(cfg, run, unit, loader, loss, flops_per_token=fpt, eval_batches=evaluate)
+    run.events(
+        f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"
+        f"{', experts a token uses' if cfg.model.moe else ''}){trained}; "
+        f"{len(train):,} train samples of {cfg.data.seq_len} tokens, {len(val):,} validation samples; "
+        f"device {device} ({dev.device_name(device)}), world size {dist.world_size()}, "
+        f"layout {par.layout.describe()}"
+    )
+    run.write_card(
+        status="running",
+        parameters=n_params,
+        parameters_without_embedding=n_no_embed,
+        flops_per_token=fpt,
+        mfu_peak_tflops=trainer.peak_tflops,
+        mfu_peak_source=trainer.peak_source,
+        tokenizer_hash=found["tokenizer"].hash,
+        data={"path": cfg.data.path, "train_samples": len(train), "val_samples": len(val)},
+    )
+    if resume.path is not None:
+        trainer.resume_from(resume.path)
+    return trainer
+
+
+def make_loaders(cfg: LadleConfig, par: Parallel, samples, found, device, run):
+    """(train rows, this rank's train loader, val rows, the validation batches or None)."""
+    t = cfg.train
+    # Each data-parallel rank reads its own slice of every global batch; a TP group shares one.
+    layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, par.dp_rank, par.dp_size)
+    train = samples(cfg, "train", found)
+    loader = None
+    if par.shared_rank == 0 or not cfg.data.shared_read:
+        loader = PretrainLoader(train, layout, seed=cfg.seed, device=device, prefetch=cfg.data.prefetch)
+    if par.shared and cfg.data.shared_read:  # one read per TP/CP/PP group, broadcast to the rest
+        loader = SharedLoader(
+            loader,
+            group=par.shared_group,
+            leader=par.shared_leader,
+            keys=tuple(train.get(0)),
+            shape=(t.micro_batch_size, cfg.data.seq_len),
+            n_micro=t.grad_accum_steps,
+            global_batch=layout.global_batch,
+            device=device,
+        )
+        run.events(f"batches read by the first rank of each {par.shared} group and broadcast to the others")
+    val = samples(cfg, "val", found)
+    n_eval = eval_batch_count(val, layout, t.eval_steps)
+    evaluate = (lambda: eval_batches(val, layout, t.eval_steps, device)) if n_eval else None
+    if t.eval_steps and not n_eval:
+        run.events(
+            f"no validation: the val split has {len(val)} samples, fewer than one batch of "
+            f"{t.micro_batch_size * par.dp_size}; prepare with --val-fraction to hold some out",
+            level="warning",
+        )
+    return train, loader, val, evaluate
+
+
+def model_flops(cfg: LadleConfig, n_no_embed: int) -> tuple[float, str]:
+    """(training FLOPs per token for MFU, what an adapter run trains, for the log)."""
+    m = cfg.model
+    fpt = flops_per_token(n_no_embed, m.n_layers, m.n_heads, m.head_size, cfg.data.seq_len)
+    if cfg.lora is None:
+        return fpt, ""
+    n_trained, n_adapters, frozen = adapter_counts(cfg, n_no_embed)
+    saved = f" and {', '.join(cfg.lora.modules_to_save)} in full" if cfg.lora.modules_to_save else ""
+    return (
+        fpt + 6 * n_adapters - 2 * frozen,
+        f", {n_trained:,} trained (adapters{saved}; MFU counts 4 FLOPs a token for a frozen weight)",
+    )
+
+
+def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
+    """A generated continuation of `sample.prompt`: the demo's proof that the model learned."""
+    from ladle.generation import generate
+
+    s = cfg.sample
+    if not s.prompt or s.max_new_tokens == 0:
+        return None
+    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    ids = tok.encode(s.prompt)
+    out = generate(
+        model,
+        [ids],
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        eos_id=tok.eos_id,
+        generator=g,
+    )[0]
+    return s.prompt + tok.decode(out)
+
+
+def adapter_counts(cfg: LadleConfig, n_no_embed: int) -> tuple[int, int, int]:
+    """(trained parameters, adapter parameters, frozen weights among MFU's N = n_no_embed) of an
+    adapter run, counted on a meta-device copy (so for any layout). A frozen weight costs no
+    weight gradient: 4 FLOPs a token instead of 6; the adapters are matmul weights of their own."""
+    with torch.device("meta"):
+        meta = Llama(cfg.model)
+    apply_lora(meta, cfg.lora)
+    trained = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    adapters = sum(p.numel() for n, p in meta.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+    head = meta.embed_tokens.weight if cfg.model.tie_embeddings else meta.lm_head.weight
+    return trained, adapters, n_no_embed - (head.numel() if head.requires_grad else 0)
+
+
+def run(cfg: LadleConfig, recipe: str, samples, loss: Loss | None = None) -> str:
+    """Trains on `samples` with `loss` (the causal-LM loss by default) and writes the run card;
+    returns the loop's status."""
+    found = check(cfg, recipe)  # init_from, tokenizer and data, before anything is written
+    cfg = found.cfg
+    device = dev.pick_device(cfg.train.device, dist.local_rank())
+    dev.set_device(device)
+    dist.init(device)
+    try:
+        status = _train(cfg, recipe, samples, found, device, loss)
+        # Every rank waits for rank 0's sample and run card, then all leave the process group
+        # together: a rank whose process exits with its group alive can abort in gloo's threads
+        # ("terminate called without an active exception") while rank 0 still works, and torchrun
+        # then reports the finished run as failed.
+        dist.barrier()
+    finally:
+        dist.shutdown()
+    return status
+
+
+def _train(cfg: LadleConfig, recipe: str, samples, found: Checked, device: torch.device, loss=None) -> str:
+    cfg, precision_note = resolve_mode(cfg, device)  # config.yaml records the mode that ran
+    resume = worker_resume(cfg, device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    par = Parallel(check(cfg, world=dist.world_size(), paths=False).layout, device, cfg.parallel.cp_attention)
+    trainer = build_trainer(cfg, device, found, resume, par, recipe, samples, loss)
+    run_dir = trainer.run
+    if precision_note:
+        run_dir.events(precision_note, level="warning" if "emulates" in precision_note else "info")
+    status = trainer.fit()
+    final = {"status": status, "step": trainer.step, "tokens_seen": trainer.tokens_seen}
+    if trainer.last_record:
+        final["train_loss"] = trainer.last_record["loss"]
+    final.update(trainer.recipe_metrics)
+    if trainer.last_val:
+        final.update({k: v for k, v in trainer.last_val.items() if k.startswith("val_")})
+    if status == "completed" and cfg.sample.prompt and cfg.sample.max_new_tokens:
+        model = gather_model(trainer.model, par, cfg.model, cfg.lora)  # every rank takes part; rank 0 gets it
+        text = None
+        if model is not None:
+            with eager():
+                text = sample_text(cfg, model, found["tokenizer"], device)
+        if text is not None:
+            final["sample"] = text
+            run_dir.console.rule("sample")
+            run_dir.console.print(text, markup=False, highlight=False)
+            run_dir.console.rule()
+    run_dir.write_card(
+        status=status,
+        final=final,
+        throughput=throughput_summary(run_dir.dir),
+        ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    run_dir.events(f"run {status} at step {trainer.step}; results in {run_dir.dir}")
+    return status

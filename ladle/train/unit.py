@@ -1,0 +1,202 @@
+"""A trainable unit: one model and what updates it (optimizer, schedule, precision, clipping), and
+the forward and backward of a step's microbatches under any layout.
+
+A recipe holds one unit per trained model (the policy; PPO's value model) beside frozen models it
+only runs forward (a DPO reference). The loop (ladle/train/loop.py) owns the cadence: when to
+step, log, validate and save; a unit owns what one step does to its model:
+
+    result = unit.forward_backward(microbatches, loss)  # gradients of sum / global count
+    update = unit.step(result.loss)                      # clip, optimizer, schedule
+
+`forward_backward` is the one place where a loss meets the model: gradient accumulation (with
+the data-parallel wrapper's gradient sync on the last microbatch only) or the pipeline schedule,
+so every recipe's loss object runs under pipeline parallelism too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from ladle import device as dev
+from ladle.config import LadleConfig
+from ladle.parallel.clip import clip_grad_norm_
+from ladle.parallel.mesh import Parallel
+from ladle.train.checkpoint import TRAINABLE
+from ladle.train.loss import Loss, LossOut
+from ladle.train.optim import build_optimizer, build_scheduler
+from ladle.train.precision import Precision
+
+
+@dataclass
+class Result:
+    """A step's forward and backward, over the global batch: `loss` = the loss sums / `count`."""
+
+    loss: float
+    count: int
+    tokens: int  # tokens of the global batch (padding included)
+    metrics: dict = field(default_factory=dict)  # the loss's summarized metrics
+    t_bwd: float = 0.0  # perf_counter when backward ended (for the step-time breakdown)
+
+
+class TrainUnit:
+    def __init__(
+        self,
+        cfg: LadleConfig,
+        model: torch.nn.Module,
+        device: torch.device,
+        parallel: Parallel,
+        pipeline=None,
+    ):
+        self.model, self.device, self.parallel, self.pipeline = model, device, parallel, pipeline
+        self.precision = Precision(cfg.precision, device)
+        self.optimizer = build_optimizer(model, cfg.optim, device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, cfg.train.max_steps)
+        self.grad_clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+        self._shapes: dict = {}  # metric shapes under PP (known to the last stage), train and eval
+
+    # -- one step --------------------------------------------------------------------------
+    def forward_backward(self, micro: list[dict[str, torch.Tensor]], loss: Loss) -> Result:
+        # Every sum is divided by the count of the whole global batch, so the gradient does not
+        # depend on how the batch is split into microbatches and ranks. Data-parallel wrappers
+        # (DDP, FSDP) average gradients over the ranks whose units differ (the data ranks, times
+        # cp: context parallelism splits each sample's tokens), hence that factor; the ranks of a
+        # TP or PP group share their units.
+        par = self.parallel
+        micro = [par.shard_sequence(b) for b in micro]
+        local = sum(loss.count(b) for b in micro)
+        total = int(par.all_reduce_loss(torch.tensor([local], device=self.device)).item())
+        scale = par.loss_size / max(total, 1)
+        self.model.train()
+        if self.pipeline is not None:  # the schedule runs every microbatch's forward and backward
+            with par.loss_context(), self.precision.autocast():
+                outs = self.pipeline.run(micro, loss, scale)
+        else:
+            outs = []
+            for i, b in enumerate(micro):
+                # A data-parallel wrapper all-reduces gradients on the last microbatch only.
+                sync = i == len(micro) - 1 or not hasattr(self.model, "no_sync")
+                with contextlib.nullcontext() if sync else self.model.no_sync(), par.loss_context():
+                    with self.precision.autocast():
+                        out = loss(self.model, b)
+                        objective = out.sum * scale
+                        if out.extra is not None:
+                            objective = objective + out.extra / len(micro)
+                    self.precision.scale(objective).backward()
+                out.sum = out.sum.detach()  # the graph is spent: keep the value only
+                outs.append(out)
+        loss_sum, totals = self._reduce(outs)
+        dev.synchronize(self.device)
+        return Result(
+            loss=loss_sum / max(total, 1),
+            count=total,
+            tokens=sum(b["tokens"].numel() for b in micro) * par.loss_size,
+            metrics=loss.summarize(totals, total, len(micro) * par.loss_size),
+            t_bwd=time.perf_counter(),
+        )
+
+    def step(self, loss: float) -> dict:
+        """Unscale, clip and apply the gradients, then advance the schedule. A non-finite loss or
+        gradient norm never reaches the weights: the update is skipped (fp16's scaler backs off)."""
+        self.precision.unscale(self.optimizer)
+        grad_norm = float(
+            clip_grad_norm_(self.model.parameters(), self.grad_clip, pp_group=self.parallel.pp_group)
+        )
+        finite = math.isfinite(loss) and (math.isfinite(grad_norm) or self.precision.scaler is not None)
+        if finite:
+            stepped = self.precision.step(self.optimizer)
+        else:
+            stepped = False
+            if self.precision.scaler:  # let the scaler back off as it would for inf gradients
+                self.precision.scaler.update(self.precision.scaler.get_scale() / 2)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
+        self.scheduler.step()
+        return {"lr": lr, "grad_norm": grad_norm, "finite": finite, "skipped": not stepped}
+
+    @torch.no_grad()
+    def evaluate(self, batches, loss: Loss) -> tuple[float, int, dict] | None:
+        """(mean loss, count, summarized metrics) of `loss` over the batches, forward only; None
+        when they hold nothing to count."""
+        self.model.eval()
+        outs, count, n = [], 0, 0
+        for b in batches:
+            b = self.parallel.shard_sequence(b)
+            with self.parallel.loss_context(), self.precision.autocast():
+                out = self.pipeline.forward_only(b, loss) if self.pipeline else loss(self.model, b)
+            if out is not None:
+                outs.append(out)
+            count += loss.count(b)
+            n += 1
+        total = int(self.parallel.all_reduce_loss(torch.tensor([count], device=self.device)).item())
+        loss_sum, totals = self._reduce(outs)
+        if total == 0:
+            return None
+        return loss_sum / total, total, loss.summarize(totals, total, n * self.parallel.loss_size)
+
+    def _reduce(self, outs: list[LossOut]) -> tuple[float, dict]:
+        """The loss sum and metric sums of the microbatches, summed over the ranks of the batch
+        (and the pipeline stages: only the last has them), in one all-reduce."""
+        shapes = {k: v.shape for k, v in outs[0].metrics.items()} if outs else {}
+        if self.pipeline is not None:
+            shapes = self._pipeline_shapes(shapes)
+        parts = [torch.zeros(1, device=self.device, dtype=torch.float64)]
+        if outs:
+            parts[0] += sum(o.sum.detach().double() for o in outs)
+        for k, shape in shapes.items():
+            parts.append(
+                sum(o.metrics[k].double() for o in outs).flatten()
+                if outs
+                else torch.zeros(math.prod(shape), device=self.device, dtype=torch.float64)
+            )
+        packed = torch.cat(parts)
+        self.parallel.all_reduce_pp(packed)
+        self.parallel.all_reduce_loss(packed)
+        packed = packed.cpu()
+        totals, at = {}, 1
+        for k, shape in shapes.items():
+            size = math.prod(shape)
+            totals[k] = packed[at : at + size].view(shape)
+            at += size
+        return float(packed[0]), totals
+
+    def _pipeline_shapes(self, mine: dict) -> dict:
+        """The metric shapes the last stage's loss reports, told to the other stages once."""
+        key = self.model.training
+        if key not in self._shapes:
+            box = [mine if self.pipeline.last else None]
+            last = self.pipeline.owner[self.pipeline.n_stages - 1]
+            torch.distributed.broadcast_object_list(box, group=self.parallel.pp_group, group_src=last)
+            self._shapes[key] = box[0]
+        return self._shapes[key]
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The model's trained parameters and the optimizer's state, as DCP saves them (sharded
+        as laid out; DCP reshards into any other layout on load)."""
+        msd, osd = get_state_dict(self.model, self.optimizer, options=TRAINABLE)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            # Not strict: the frozen base is not in the state (TRAINABLE). Every key that is was
+            # found in the checkpoint, or the read would have failed.
+            options=StateDictOptions(strict=False, ignore_frozen_params=True),
+        )
+
+    def scalars(self) -> dict:
+        """The JSON part of the state: the schedule's position and the loss scale."""
+        return {"scheduler": self.scheduler.state_dict(), "loss_scaler": self.precision.state_dict()}
+
+    def load_scalars(self, d: dict) -> None:
+        self.scheduler.load_state_dict(d["scheduler"])
+        self.precision.load_state_dict(d.get("loss_scaler", {}))
