@@ -219,9 +219,16 @@ def cmd_data_synth(args) -> int:
     from ladle.data.synthetic import write_task
 
     info = write_task(
-        args.task, args.output, train=args.train, val=args.val, seed=args.seed, max_digits=args.max_digits
+        args.task,
+        args.output,
+        train=args.train,
+        val=args.val,
+        seed=args.seed,
+        max_digits=args.max_digits,
+        pairs=args.pairs,
     )
-    print(f"{info['task']}: {info['train']} train and {info['val']} held-out chats in {info['path']}")
+    what = "preference pairs" if args.pairs else "chats"
+    print(f"{info['task']}: {info['train']} train and {info['val']} held-out {what} in {info['path']}")
     return 0
 
 
@@ -286,7 +293,20 @@ def cmd_eval(args) -> int:
     from ladle.train.evaluate import check_data_fits, evaluate
 
     model, tok, device = load_for_inference(args)
-    if args.task == "generate":
+    if args.task in ("reward", "preference"):
+        from ladle.train.evaluate import evaluate_pairs
+
+        if args.task == "reward" and model.cfg.head != "score":
+            raise LadleError(f"{args.model} is not a reward model (no score head); use --task preference")
+        result = evaluate_pairs(
+            model,
+            args.data,
+            split=args.split,
+            batch_size=args.batch_size,
+            pad_id=tok.pad_id if tok is not None and tok.pad_id is not None else 0,
+            device=device,
+        )
+    elif args.task == "generate":
         from ladle.rewards import scorer
         from ladle.train.task_eval import evaluate_generation
 
@@ -477,6 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--val", type=int, default=200, help="held-out examples (no prompt also in train)")
     d.add_argument("--max-digits", type=int, default=3, help="addition: digits per operand")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--pairs",
+        action="store_true",
+        help="preference pairs: the correct answer against a plausible wrong one",
+    )
     d.set_defaults(fn=cmd_data_synth)
     d = dsub.add_parser("inspect", help="counts, lengths and decoded samples of prepared data")
     d.add_argument("dir")
@@ -511,7 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "eval",
-        help="loss and perplexity on prepared data, or (--task generate) the accuracy of greedy answers to chats",
+        help="loss and perplexity on prepared data; (--task generate) the accuracy of greedy answers to chats; "
+        "(--task reward / preference) held-out preference accuracy",
     )
     s.add_argument("--model", required=True, help="a run directory, checkpoint or Hugging Face folder")
     s.add_argument(
@@ -519,7 +545,13 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="loss: a folder made by `ladle data prepare` (or Megatron shards); generate: a chat jsonl",
     )
-    s.add_argument("--task", default="loss", choices=["loss", "generate"])
+    s.add_argument(
+        "--task",
+        default="loss",
+        choices=["loss", "generate", "reward", "preference"],
+        help="reward / preference: held-out accuracy on preference data, of a reward model's scores / "
+        "of a policy's completion log-probs",
+    )
     s.add_argument(
         "--template", default=None, help="generate: a built-in chat template instead of the tokenizer's"
     )

@@ -64,6 +64,12 @@ def check(cfg: LadleConfig, recipe: str | None = None, world: int = 0, paths: bo
             check_data_task(cfg, recipe, found.meta)
     if world:
         found.layout = check_layout(cfg, world)
+        if recipe is not None:  # what a recipe cannot run on (the pair recipes: pp, cp)
+            from ladle.recipes import load
+
+            layout_check = getattr(load(recipe), "check_layout", None)
+            if layout_check:
+                layout_check(cfg, found.layout)
     return found
 
 
@@ -126,7 +132,7 @@ def check_data(cfg: LadleConfig, tok) -> dict:
 
 # -- model.init_from ---------------------------------------------------------------------------
 # Fields a run may set differently from the checkpoint it starts from.
-FREE_WITH_INIT_FROM = ("init_from", "init_std", "max_seq_len")
+FREE_WITH_INIT_FROM = ("init_from", "init_std", "max_seq_len", "head")
 MOE_FREE_WITH_INIT_FROM = ("aux_loss_weight", "z_loss_weight", "dispatch")
 
 

@@ -87,6 +87,11 @@ class ModelConfig(Section):
     qkv_bias: bool = False
     qk_norm: bool = False
     init_std: float = Field(0.02, gt=0)
+    head: Literal["lm", "score"] = Field(
+        "lm",
+        description="lm: next-token logits; score: one scalar per position (a reward model's head, "
+        "HF's ...ForSequenceClassification with num_labels 1); `ladle run reward` sets it",
+    )
     moe: MoEConfig | None = Field(None, description="mixture of experts in every layer; None: dense")
     init_from: str | None = Field(
         None,
@@ -345,6 +350,54 @@ class LoRAConfig(Section):
         return self
 
 
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
+
+
+class DPOConfig(Section):
+    """Direct preference optimisation and its family (`ladle run dpo`, ladle/train/preference.py)."""
+
+    loss: Literal[DPO_LOSSES] = Field(
+        "sigmoid",
+        description="sigmoid (DPO), ipo (on per-token mean log-ratios), hinge (SLiC), robust (rDPO, "
+        "with label_smoothing), simpo (length-normalised, no reference)",
+    )
+    beta: float = Field(0.1, gt=0, description="the KL strength beta (IPO's tau)")
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="the share of flipped labels assumed: conservative DPO (cDPO) "
+        "for sigmoid, robust DPO for robust; 0: off",
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target margin gamma")
+    rpo_alpha: float = Field(
+        0.0, ge=0, description="weight of an added NLL term on the chosen completions (RPO); 0: off"
+    )
+    reference: Literal["cached", "online"] = Field(
+        "cached",
+        description="cached: the reference log-probs computed once before training and stored in the run "
+        "directory with the data's hash (no reference model in memory); online: a frozen reference model "
+        "beside the policy (with LoRA: the policy with its adapters switched off)",
+    )
+
+    @model_validator(mode="after")
+    def _simpo_has_no_reference(self):
+        if self.loss == "simpo" and "reference" in self.model_fields_set and self.reference == "online":
+            raise ValueError(
+                "dpo.loss=simpo is reference-free: it has no reference model to run online; remove dpo.reference"
+            )
+        return self
+
+
+class RewardConfig(Section):
+    """A reward model's Bradley-Terry loss (`ladle run reward`)."""
+
+    margin: float = Field(0.0, description="required margin m: -log sigmoid(r_chosen - r_rejected - m)")
+    center_coef: float = Field(
+        0.0, ge=0, description="weight of the centring term mean((r_chosen + r_rejected)^2); 0: off"
+    )
+
+
 class LadleConfig(Section):
     output_dir: str = "runs/default"
     seed: int = 0
@@ -360,6 +413,8 @@ class LadleConfig(Section):
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     sample: SampleConfig = SampleConfig()
     lora: LoRAConfig | None = Field(None, description="adapters instead of full finetuning; null: off")
+    dpo: DPOConfig = DPOConfig()
+    reward: RewardConfig = RewardConfig()
 
     @model_validator(mode="after")
     def _check_cross(self):

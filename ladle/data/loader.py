@@ -214,13 +214,13 @@ class SharedLoader:
     PP group): its first rank reads and broadcasts each step's microbatches, the others receive
     them (as Megatron-LM's `broadcast_data`), so storage is read once per data-parallel rank.
 
-    `loader` is the group leader's PretrainLoader (None elsewhere); `keys` and `shape` describe
-    each microbatch so that the receivers can allocate it.
+    `loader` is the group leader's PretrainLoader (None elsewhere); `spec` gives each key's
+    microbatch shape and dtype, so that the receivers can allocate it.
     """
 
-    def __init__(self, loader, *, group, leader: int, keys, shape, n_micro: int, global_batch: int, device):
+    def __init__(self, loader, *, group, leader: int, spec: dict, n_micro: int, global_batch: int, device):
         self.loader, self.group, self.leader = loader, group, leader
-        self.keys, self.shape, self.n_micro = tuple(keys), tuple(shape), n_micro
+        self.spec, self.n_micro = spec, n_micro
         self.global_batch, self.device = global_batch, device
         self.consumed_samples = 0
         self.data_s = 0.0
@@ -239,17 +239,19 @@ class SharedLoader:
             batches = self.loader.next()
         else:
             batches = [
-                {k: torch.empty(self.shape, dtype=torch.long, device=self.device) for k in self.keys}
+                {k: torch.empty(shape, dtype=dt, device=self.device) for k, (shape, dt) in self.spec.items()}
                 for _ in range(self.n_micro)
             ]
-        # One collective for the whole step: the microbatches stacked, then split again.
-        flat = torch.stack([b[k] for b in batches for k in self.keys])
-        torch.distributed.broadcast(flat, src=self.leader, group=self.group)
-        parts = iter(flat.unbind(0))
-        batches = [{k: next(parts) for k in self.keys} for _ in range(self.n_micro)]
+        # One collective per key for the whole step: the microbatches stacked, then split again.
+        out = [{} for _ in range(self.n_micro)]
+        for k in self.spec:
+            flat = torch.stack([b[k] for b in batches])
+            torch.distributed.broadcast(flat, src=self.leader, group=self.group)
+            for b, t in zip(out, flat.unbind(0), strict=True):
+                b[k] = t
         self.data_s = time.perf_counter() - t0
         self.consumed_samples += self.global_batch
-        return batches
+        return out
 
     def close(self) -> None:
         if self.loader is not None:

@@ -3,7 +3,9 @@
 `addition`: "What is 47 + 385?" -> "432". `sort`: "Sort these words alphabetically: pear fig
 apple" -> "apple fig pear". Each record is a `messages` chat (ladle/data/sft.py) whose last,
 assistant message is the reference answer; `ladle eval --task generate` scores a model on the
-held-out file by exact match.
+held-out file by exact match. With `pairs`, each record is a preference pair instead (the DPO
+demo's data): the prompt, the correct answer as `chosen` and a plausible wrong one as `rejected`
+(addition: off by 1, 2 or 10; sort: two neighbours swapped, a word left out, or the words as given).
 """
 
 from __future__ import annotations
@@ -41,8 +43,34 @@ def make_example(task: str, rng: random.Random, max_digits: int = 3) -> dict:
     return {"messages": messages, "key": key}
 
 
+def wrong_answer(task: str, ex: dict, rng: random.Random) -> str:
+    """A plausible wrong answer to the example's problem."""
+    answer = ex["messages"][-1]["content"]
+    if task == "addition":
+        return str(
+            max(0, int(answer) + rng.choice([-10, -2, -1, 1, 2, 10])) if int(answer) > 10 else int(answer) + 1
+        )
+    words, given = answer.split(), list(ex["key"])
+    kind = rng.choice(["swap", "drop", "given"] if given != words else ["swap", "drop"])
+    if kind == "given":
+        return " ".join(given)
+    if kind == "drop":
+        del words[rng.randrange(len(words))]
+        return " ".join(words)
+    i = rng.randrange(len(words) - 1)
+    words[i], words[i + 1] = words[i + 1], words[i]
+    return " ".join(words)
+
+
 def write_task(
-    task: str, output: str | Path, *, train: int, val: int, seed: int = 0, max_digits: int = 3
+    task: str,
+    output: str | Path,
+    *,
+    train: int,
+    val: int,
+    seed: int = 0,
+    max_digits: int = 3,
+    pairs: bool = False,
 ) -> dict:
     """`output/train.jsonl` and `output/val.jsonl`; no problem of val is in train, however phrased
     (the same operands, or the same words in the same order)."""
@@ -62,7 +90,13 @@ def write_task(
             if ex["key"] in seen:
                 continue
             seen.add(ex["key"])
-            splits[split].append({"messages": ex["messages"]})
+            if pairs:
+                prompt, answer = (m["content"] for m in ex["messages"])
+                splits[split].append(
+                    {"prompt": prompt, "chosen": answer, "rejected": wrong_answer(task, ex, rng)}
+                )
+            else:
+                splits[split].append({"messages": ex["messages"]})
     for split, rows in splits.items():
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"task": task, "train": train, "val": val, "path": str(out)}

@@ -55,10 +55,13 @@ MOE_NAMES = {
     "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
     "qwen3_moe": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
 }
+SCORE_SUFFIX = "ForSequenceClassification"  # a reward model: the decoder and a scalar `score` head
 SUPPORTED_ARCHITECTURES = tuple(arch for arch, _ in FAMILIES.values())
-FAMILY_OF = {arch: fam for fam, (arch, _) in FAMILIES.items()} | {
-    mt: fam for fam, (_, mt) in FAMILIES.items()
-}
+FAMILY_OF = (
+    {arch: fam for fam, (arch, _) in FAMILIES.items()}
+    | {arch.replace("ForCausalLM", SCORE_SUFFIX): fam for fam, (arch, _) in FAMILIES.items()}
+    | {mt: fam for fam, (_, mt) in FAMILIES.items()}
+)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,7 +84,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def to_hf_name(name: str) -> str:
-    return name if name.startswith("lm_head.") else "model." + name
+    return name if name.startswith(("lm_head.", "score.")) else "model." + name
 
 
 _EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.(gate\.weight|experts\.(gate_proj|up_proj|down_proj))")
@@ -118,6 +121,8 @@ def hf_config(
     the transformers<5 form (`rope_theta`, `rope_scaling`) and the transformers 5 form
     (`rope_parameters`)."""
     arch, model_type = FAMILIES[cfg.family]
+    if cfg.head == "score":
+        arch = arch.replace("ForCausalLM", SCORE_SUFFIX)
     if (cfg.qkv_bias, cfg.qk_norm) != FAMILY_FEATURES[cfg.family]:
         raise CheckpointError(
             f"model.family={cfg.family} ({arch}) cannot express qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}; "
@@ -152,6 +157,8 @@ def hf_config(
         torch_dtype=torch_dtype,
         dtype=torch_dtype,
     )
+    if cfg.head == "score":  # transformers scores the last token that is not pad_token_id
+        d.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if cfg.family in ("llama", "qwen3"):
         d["attention_bias"] = False
     if cfg.family == "llama":
@@ -250,6 +257,7 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
             family=family,
             qkv_bias=FAMILY_FEATURES[family][0],
             qk_norm=FAMILY_FEATURES[family][1],
+            head="score" if any(a.endswith(SCORE_SUFFIX) for a in archs) else "lm",
         )
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         raise CheckpointError(f"{path}: config does not describe a valid model: {e}") from e
@@ -482,10 +490,14 @@ def load_hf(path, *, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[
     return model, cfg
 
 
-def load_hf_weights(model: Llama, path) -> None:
+def load_hf_weights(model: Llama, path) -> list[str]:
     """Fill `model` (its own device and dtype) from the safetensors of a Hugging Face folder, tensor
-    by tensor; every missing, unexpected or mis-shaped tensor is reported by name first."""
-    HFWeights(path, model.cfg).read_into(model.state_dict())
+    by tensor; every missing, unexpected or mis-shaped tensor is reported by name first. Returns
+    the names left as they were: a score head the folder (a causal LM's) does not hold."""
+    weights = HFWeights(path, model.cfg)
+    params = model.state_dict()
+    weights.read_into(params)
+    return [n for n in params if n not in weights.held]
 
 
 class HFWeights:
@@ -500,14 +512,23 @@ class HFWeights:
         self.layout = hf_layout(cfg)
         self.headers = {f: _read_header(f) for f in self.files}
         found, self.where = {}, {}
+        # A reward model started from a causal LM: its head is not in the files (it starts from
+        # the seeded init, `holds`), and the LM head in them is not read.
+        skip = "lm_head.weight" if cfg.tie_embeddings or cfg.head == "score" else None
         for f, (_, header) in self.headers.items():
             for hf_key, info in header.items():
-                if not (cfg.tie_embeddings and hf_key == "lm_head.weight"):
+                if hf_key != skip:
                     found[hf_key] = tuple(info["shape"])
                     self.where[hf_key] = f
-        _check_names_shapes(
-            found, {k: shape for k, (_, _, shape) in self.layout.items()}, str(folder), self.where
-        )
+        expected = {k: shape for k, (_, _, shape) in self.layout.items()}
+        if cfg.head == "score" and "score.weight" not in found:
+            del expected["score.weight"]
+        _check_names_shapes(found, expected, str(folder), self.where)
+        self.held = {ours for hf, (ours, _, _) in self.layout.items() if hf in self.where}
+
+    def holds(self, names) -> bool:
+        """Whether the files hold every one of these tensors (our names)."""
+        return all(n in self.held for n in names)
 
     def read_into(self, params: dict[str, torch.Tensor]) -> None:
         """Read the tensors of `params` (our names; CPU or accelerator tensors) from the files.

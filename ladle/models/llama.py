@@ -279,7 +279,9 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        if not cfg.tie_embeddings:  # tied: the head reuses embed_tokens.weight, no separate key
+        if cfg.head == "score":  # a reward model: one scalar per position (HF's score.weight)
+            self.score = nn.Linear(cfg.dim, 1, bias=False)
+        elif not cfg.tie_embeddings:  # tied: the head reuses embed_tokens.weight, no separate key
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         else:
             self.tied_head = TiedHead()  # no parameters: a module so that layouts can wrap it
@@ -296,7 +298,8 @@ class Llama(nn.Module):
         attention=None,
         logits_to_keep=0,
     ):
-        """tokens (B, T) -> logits (B, T, vocab), or (B, logits_to_keep, vocab) for the last positions.
+        """tokens (B, T) -> logits (B, T, vocab), or (B, logits_to_keep, vocab) for the last positions
+        ((B, T, 1) scores with `head: score`).
 
         positions (B, T): RoPE position of each token (default: 0.., or continuing after the cache).
         doc_ids (B, T): packed documents; a token attends only to earlier tokens with the same id.
@@ -345,6 +348,8 @@ class Llama(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # the norm is per position: norm then slice is the same
         x = self.norm(x)
+        if self.cfg.head == "score":
+            return self.score(x)  # (B, T, 1)
         if self.cfg.tie_embeddings:
             return self.tied_head(x, self.embed_tokens.weight)  # (B, T, vocab)
         return self.lm_head(x)  # (B, T, vocab)
@@ -420,11 +425,11 @@ def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False, active: 
     else:
         mlp = 3 * D * F_  # SwiGLU
     layer = attn + mlp + 2 * D  # + two norms
-    embed, head = V * D, V * D
+    embed, head = V * D, (D if cfg.head == "score" else V * D)
     body = L * layer + D  # + final norm
     if exclude_embeddings:
         return body + head
-    return embed + body + (0 if cfg.tie_embeddings else head)
+    return embed + body + (0 if cfg.tie_embeddings and cfg.head == "lm" else head)  # a score head: its own
 
 
 def build_model(cfg: ModelConfig, device="cpu", dtype=torch.float32, init: bool = True) -> Llama:

@@ -26,6 +26,7 @@ for a row-parallel one) and before FSDP, which shards them with their block.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -45,6 +46,7 @@ class LoRALinear(nn.Linear):
     r: int
     scaling: float
     use_dora: bool
+    adapters_off = False  # set per module by `adapters_disabled`
 
     def base(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """x W^T (+ b): the frozen layer, its weight in NF4 under QLoRA (ladle/models/nf4.py)."""
@@ -55,6 +57,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.adapters_off:
+            return y
         d = self.lora_dropout(x)
         lora = self.lora_B(self.lora_A(d)) * self.scaling
         if not self.use_dora:
@@ -93,6 +97,21 @@ def add_adapter(m: nn.Linear, r: int, alpha: float, dropout: float, rslora: bool
         m.lora_magnitude_vector = nn.Parameter(torch.ones(m.out_features, device=dev, dtype=dt))
     m.r, m.scaling, m.use_dora = r, alpha / (math.sqrt(r) if rslora else r), dora
     m.__class__ = LoRALinear
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model for the duration (PEFT's `disable_adapter`): a DPO reference that is the
+    policy's own frozen base, no second copy. `modules_to_save` are trained in place, so a model
+    with them has no base left to switch to (the DPO recipe builds a frozen copy then)."""
+    mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in mods:
+        m.adapters_off = True
+    try:
+        yield model
+    finally:
+        for m in mods:
+            del m.adapters_off
 
 
 def target_names(model: nn.Module, targets: list[str]) -> list[str]:

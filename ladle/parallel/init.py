@@ -51,7 +51,7 @@ def materialize(
     for prefix, part in _parts(ghost):
         full = copy.deepcopy(part).to_empty(device="cpu")
         names = {f"{prefix}.{k}": v for k, v in full.state_dict().items()}
-        if weights is None:
+        if weights is None or not weights.holds(names):  # a reward model's new score head
             init_modules(full, cfg, prefix)
         elif any(k in here for k in names):
             weights.read_into(names)
@@ -69,5 +69,7 @@ def _parts(ghost: Llama):
     for i, block in enumerate(ghost.layers):
         yield f"layers.{i}", block
     yield "norm", ghost.norm
-    if not ghost.cfg.tie_embeddings:
+    if ghost.cfg.head == "score":
+        yield "score", ghost.score
+    elif not ghost.cfg.tie_embeddings:
         yield "lm_head", ghost.lm_head

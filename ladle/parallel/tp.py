@@ -31,7 +31,13 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
     }
-    if model.cfg.tie_embeddings:
+    if model.cfg.head == "score":
+        # One output: nothing to split. The full sequence goes in, the weight is replicated over
+        # the group (a DTensor like every parameter), and every rank computes the same scores.
+        plan["score"] = PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=False
+        )
+    elif model.cfg.tie_embeddings:
         # The head multiplies by the embedding matrix, which the lookup shards by vocabulary rows:
         # with the sequence gathered first, the logits come out sharded by vocabulary like the
         # untied head's, and the gradients of both uses land on the one sharded weight.
@@ -43,6 +49,8 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
         )
     parallelize_module(model, tp_mesh, plan)
+    if model.cfg.head == "score" and getattr(model, "score", None) is not None:
+        distribute_module(model.score, tp_mesh, output_fn=lambda mod, out, mesh: out.to_local())
     if model.embed_tokens is not None:
         model.embed_tokens.register_forward_hook(_wait_output)
     for _, block in model.blocks():

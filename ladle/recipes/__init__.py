@@ -7,7 +7,12 @@ import importlib
 
 from ladle.errors import LadleError
 
-RECIPES = {"pretrain": "ladle.recipes.pretrain", "sft": "ladle.recipes.sft"}
+RECIPES = {
+    "pretrain": "ladle.recipes.pretrain",
+    "sft": "ladle.recipes.sft",
+    "reward": "ladle.recipes.reward",
+    "dpo": "ladle.recipes.dpo",
+}
 
 
 def load(name: str):

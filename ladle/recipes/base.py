@@ -7,6 +7,7 @@ card. See ladle/recipes/pretrain.py and sft.py for the shortest recipes on it.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +36,19 @@ from ladle.train.run import RunDir, throughput_summary
 from ladle.train.unit import TrainUnit
 
 
+@dataclass
+class Setup:
+    """What a recipe's `setup` sees once its policy is built."""
+
+    cfg: LadleConfig
+    par: Parallel
+    device: torch.device
+    unit: TrainUnit  # the policy's
+    run: RunDir
+    found: Checked
+    resume: Resume
+
+
 def build_trainer(
     cfg: LadleConfig,
     device: torch.device,
@@ -44,6 +58,7 @@ def build_trainer(
     recipe: str = "pretrain",
     samples=None,  # (cfg, split, found) -> rows with len() and get(i); pretraining's by default
     loss: Loss | None = None,  # the causal-LM loss by default
+    setup=None,  # (Setup) -> (samples, loss), after the policy is built
 ) -> Trainer:
     par = par or Parallel(Layout(), device)
     resume = resume or Resume(None)
@@ -58,8 +73,10 @@ def build_trainer(
     n_params = count_params(cfg.model)
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     fpt, trained = model_flops(cfg, n_no_embed)
-    train, loader, val, evaluate = make_loaders(cfg, par, samples, found, device, run)
     unit = TrainUnit(cfg, built.model, device, par, built.pipeline)
+    if setup is not None:
+        samples, loss = setup(Setup(cfg, par, device, unit, run, found, resume))
+    train, loader, val, evaluate = make_loaders(cfg, par, samples, found, device, run)
     loss = loss or CausalLMLoss(cfg.model.moe)
     trainer = Trainer(cfg, run, unit, loader, loss, flops_per_token=fpt, eval_batches=evaluate)
     run.events(
@@ -98,8 +115,10 @@ def make_loaders(cfg: LadleConfig, par: Parallel, samples, found, device, run):
             loader,
             group=par.shared_group,
             leader=par.shared_leader,
-            keys=tuple(train.get(0)),
-            shape=(t.micro_batch_size, cfg.data.seq_len),
+            spec={
+                k: ((t.micro_batch_size, *v.shape), torch.from_numpy(v).dtype)
+                for k, v in train.get(0).items()
+            },
             n_micro=t.grad_accum_steps,
             global_batch=layout.global_batch,
             device=device,
@@ -165,16 +184,17 @@ def adapter_counts(cfg: LadleConfig, n_no_embed: int) -> tuple[int, int, int]:
     return trained, adapters, n_no_embed - (head.numel() if head.requires_grad else 0)
 
 
-def run(cfg: LadleConfig, recipe: str, samples, loss: Loss | None = None) -> str:
+def run(cfg: LadleConfig, recipe: str, samples, loss: Loss | None = None, setup=None) -> str:
     """Trains on `samples` with `loss` (the causal-LM loss by default) and writes the run card;
-    returns the loop's status."""
+    returns the loop's status. `setup(Setup) -> (samples, loss)`: a recipe's own preparation once
+    the policy is built (a reference model, cached reference log-probs)."""
     found = check(cfg, recipe)  # init_from, tokenizer and data, before anything is written
     cfg = found.cfg
     device = dev.pick_device(cfg.train.device, dist.local_rank())
     dev.set_device(device)
     dist.init(device)
     try:
-        status = _train(cfg, recipe, samples, found, device, loss)
+        status = _train(cfg, recipe, samples, found, device, loss, setup)
         # Every rank waits for rank 0's sample and run card, then all leave the process group
         # together: a rank whose process exits with its group alive can abort in gloo's threads
         # ("terminate called without an active exception") while rank 0 still works, and torchrun
@@ -185,13 +205,16 @@ def run(cfg: LadleConfig, recipe: str, samples, loss: Loss | None = None) -> str
     return status
 
 
-def _train(cfg: LadleConfig, recipe: str, samples, found: Checked, device: torch.device, loss=None) -> str:
+def _train(
+    cfg: LadleConfig, recipe: str, samples, found: Checked, device: torch.device, loss=None, setup=None
+) -> str:
     cfg, precision_note = resolve_mode(cfg, device)  # config.yaml records the mode that ran
     resume = worker_resume(cfg, device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    par = Parallel(check(cfg, world=dist.world_size(), paths=False).layout, device, cfg.parallel.cp_attention)
-    trainer = build_trainer(cfg, device, found, resume, par, recipe, samples, loss)
+    layout = check(cfg, recipe, world=dist.world_size(), paths=False).layout
+    par = Parallel(layout, device, cfg.parallel.cp_attention)
+    trainer = build_trainer(cfg, device, found, resume, par, recipe, samples, loss, setup)
     run_dir = trainer.run
     if precision_note:
         run_dir.events(precision_note, level="warning" if "emulates" in precision_note else "info")
@@ -202,7 +225,8 @@ def _train(cfg: LadleConfig, recipe: str, samples, found: Checked, device: torch
     final.update(trainer.recipe_metrics)
     if trainer.last_val:
         final.update({k: v for k, v in trainer.last_val.items() if k.startswith("val_")})
-    if status == "completed" and cfg.sample.prompt and cfg.sample.max_new_tokens:
+    writes = cfg.model.head == "lm"  # a reward model scores, it does not generate
+    if status == "completed" and writes and cfg.sample.prompt and cfg.sample.max_new_tokens:
         model = gather_model(trainer.model, par, cfg.model, cfg.lora)  # every rank takes part; rank 0 gets it
         text = None
         if model is not None:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from ladle.config import LadleConfig
-from ladle.models.hf import is_hf_folder, load_hf_weights
+from ladle.models.hf import is_hf_folder, load_hf_weights, read_hf_config
 from ladle.models.llama import Llama
 from ladle.models.llama import build_model as build_plain
 from ladle.models.lora import init_adapters
@@ -25,7 +26,7 @@ from ladle.models.nf4 import quantize_linears
 from ladle.parallel.init import materialize
 from ladle.parallel.mesh import Parallel
 from ladle.parallel.parallelize import Apply, build_pipeline, parallelize
-from ladle.train.checkpoint import load_model_weights, resolve_checkpoint
+from ladle.train.checkpoint import load_model_weights, read_config, resolve_checkpoint
 
 
 @dataclass
@@ -98,7 +99,29 @@ def build_model(
                 f"{full / 2**20:,.2f} MiB in {param_dtype} ({full / nf4:.1f}x less)"
             )
         model = parallelize(model, par, device, what)  # adapters added (and initialised) here
+    if init and fresh_head(cfg):
+        _init_score(model, cfg, param_dtype)
+        built.notes.append(f"score head: new (normal, std {cfg.model.init_std}); {init} is a causal LM")
     if not trainable:
         model.eval()
     built.model = model
     return built
+
+
+def fresh_head(cfg: LadleConfig) -> bool:
+    """A reward model (`model.head: score`) started from a causal LM: its head is not in init_from."""
+    init = cfg.model.init_from
+    if cfg.model.head != "score" or not init:
+        return False
+    if is_hf_folder(init):
+        return read_hf_config(init).head != "score"
+    return read_config(resolve_checkpoint(init))["model"].get("head", "lm") != "score"
+
+
+def _init_score(model: nn.Module, cfg: LadleConfig, dtype: torch.dtype) -> None:
+    """The new score head, drawn from its own seeded stream (the same in every layout), as
+    transformers initialises it: normal(0, init_std)."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    w = torch.empty(1, cfg.model.dim).normal_(0.0, cfg.model.init_std, generator=g)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, {"score.weight": w.to(dtype)}, options=options)

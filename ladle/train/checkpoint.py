@@ -527,7 +527,11 @@ def load_model_weights(path: str | Path, model, *, base_only: bool = False) -> N
     msd = get_model_state_dict(model, options=TRAINABLE if adapters else None)
     if base_only:
         msd = {k: v for k, v in msd.items() if ".lora_" not in k}
+    # A reward model started from a causal LM's checkpoint: its score head keeps its init.
+    fresh_head = "score.weight" in msd and read_config(path)["model"].get("head", "lm") != "score"
+    if fresh_head:
+        msd = {k: v for k, v in msd.items() if not k.startswith("score.")}
     _read_dcp({"model": msd}, Path(path))
     # Not strict when part of the model is deliberately left out; the read has found every key asked.
-    strict = not (adapters or base_only)
+    strict = not (adapters or base_only or fresh_head)
     set_model_state_dict(model, msd, options=StateDictOptions(strict=strict, ignore_frozen_params=adapters))

@@ -92,3 +92,40 @@ def evaluate(
         "doc_mask": doc_mask,
         "eval_s": round(time.perf_counter() - t0, 3),
     }
+
+
+@torch.no_grad()
+def evaluate_pairs(
+    model, data_dir, *, split: str = "val", batch_size: int = 8, pad_id: int = 0, device="cpu"
+) -> dict:
+    """Held-out preference accuracy of prepared preference pairs: for a reward model (`head:
+    score`) the share of pairs whose chosen side scores higher; for a causal LM the share whose
+    chosen completion has the higher summed log-prob. Also the mean margin (score, or log-prob)."""
+    from ladle.data.loader import collate
+    from ladle.data.pairs import PairSamples
+    from ladle.data.preference import PreferenceSplit
+    from ladle.train.preference import last_scores, side_logps
+
+    pairs = PreferenceSplit(data_dir, split)
+    if len(pairs) == 0:
+        raise DataError(f"{data_dir}: the {split} split holds no pairs (prepare with --val-fraction)")
+    rows = PairSamples(pairs, int(pairs.lengths.max()), pad_id=pad_id, name=split)
+    score = model.cfg.head == "score"
+    wins, margin = 0, 0.0
+    for s in range(0, len(rows), batch_size):
+        b = collate([rows.get(i) for i in range(s, min(s + batch_size, len(rows)))])
+        b = {k: v.to(device) for k, v in b.items()}
+        out = model(b["tokens"].flatten(0, 1))
+        v = last_scores(out, b["ends"]) if score else side_logps(out, b["targets"])[0]
+        d = (v[:, 0] - v[:, 1]).float()
+        wins += int((d > 0).sum())
+        margin += float(d.sum())
+    kind = "reward model score" if score else "summed completion log-prob"
+    return {
+        "data": str(data_dir),
+        "split": split,
+        "pairs": len(rows),
+        "accuracy": wins / len(rows),
+        "margin": margin / len(rows),
+        "compared": kind,
+    }

@@ -39,9 +39,11 @@ def _chunk_rows(vocab: int, device: torch.device) -> int:
     return max(1, budget // vocab)
 
 
-class _CrossEntropySum(torch.autograd.Function):
+class _CrossEntropy(torch.autograd.Function):
+    """-log softmax(logits)[target] per row (0 where ignored), summed unless `per_token`."""
+
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, per_token: bool):
         x = logits.reshape(-1, logits.shape[-1])
         t = targets.reshape(-1)
         valid = t != ignore_index
@@ -52,23 +54,24 @@ class _CrossEntropySum(torch.autograd.Function):
             for s in range(0, x.shape[0], rows):
                 torch.logsumexp(x[s : s + rows].float(), dim=-1, out=lse[s : s + rows])
             picked = x.gather(1, t[:, None]).squeeze(1).float()
-            loss = ((lse - picked) * valid).sum()
+            loss = (lse - picked) * valid
         ctx.save_for_backward(logits, t, valid, lse)
-        return loss
+        ctx.per_token = per_token
+        return loss.view(targets.shape) if per_token else loss.sum()
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         logits, t, valid, lse = ctx.saved_tensors
         x = logits.reshape(-1, logits.shape[-1])
         grad = torch.empty_like(x)
-        weight = valid.float() * grad_out.float()
+        weight = valid.float() * (grad_out.reshape(-1).float() if ctx.per_token else grad_out.float())
         rows = _chunk_rows(x.shape[1], x.device)
         for s in range(0, x.shape[0], rows):
             e = min(s + rows, x.shape[0])
-            p = x[s:e].float().sub_(lse[s:e, None]).exp_()  # softmax
+            p = torch.sub(x[s:e], lse[s:e, None]).exp_()  # softmax, fp32; never in place on the logits
             p[torch.arange(e - s, device=x.device), t[s:e]] -= 1.0
             grad[s:e] = p.mul_(weight[s:e, None])
-        return grad.view_as(logits), None, None
+        return grad.view_as(logits), None, None, None
 
 
 def cross_entropy_sum(
@@ -85,7 +88,22 @@ def cross_entropy_sum(
             logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum"
         )
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
-    return _CrossEntropySum.apply(logits, targets, ignore_index)
+    return _CrossEntropy.apply(logits, targets, ignore_index, False)
+
+
+def token_logps(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """log softmax(logits)[target] per position, fp32, shape of `targets`; 0 where ignored. The
+    chunked kernel of `cross_entropy_sum` (no fp32 copy of the logits), or loss-parallel's
+    cross-entropy for vocab-sharded logits (under `loss_parallel()`)."""
+    if isinstance(logits, DTensor):
+        nll = F.cross_entropy(
+            logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index, reduction="none"
+        )
+        nll = nll.full_tensor() if isinstance(nll, DTensor) else nll
+        return -nll.view(targets.shape)
+    return -_CrossEntropy.apply(logits, targets, ignore_index, True)
 
 
 @dataclass

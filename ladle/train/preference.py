@@ -1,0 +1,153 @@
+"""Preference losses: the DPO family and a reward model's Bradley-Terry loss, as loss objects
+(ladle/train/loss.py) on rows of pairs (ladle/data/pairs.py).
+
+A microbatch holds B pairs as `tokens` (B, 2, T): each pair's chosen and rejected sequences,
+each a row of its own from position 0, padded at the end (so causal attention alone keeps them
+apart); `targets` mark the completion tokens only. Both sides of every pair run in one forward
+pass of 2B rows. A pair is the unit of the count: every loss is a sum over pairs, divided by
+the pairs of the global batch.
+
+With pi / ref the summed completion log-probs of the policy / reference, the DPO losses of
+`dpo.loss` (beta = dpo.beta, eps = dpo.label_smoothing) on
+    h = (pi_c - ref_c) - (pi_r - ref_r):
+    sigmoid  -(1 - eps) log s(beta h) - eps log s(-beta h)                 DPO; eps > 0: cDPO
+    robust   (-(1 - eps) log s(beta h) + eps log s(-beta h)) / (1 - 2 eps)  rDPO
+    hinge    max(0, 1 - beta h)                                              SLiC
+    ipo      (h' - 1 / (2 beta))^2, h' on per-token mean log-probs           IPO (as trl)
+    simpo    -log s(beta (pi_c / |c| - pi_r / |r|) - gamma)                  SimPO, no reference
+and `dpo.rpo_alpha` > 0 adds alpha x the chosen completions' NLL per token (RPO). The rewards
+logged are beta (pi - ref) per side (beta pi / |side| for SimPO), as trl logs them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ladle.config.schema import DPOConfig, RewardConfig
+from ladle.train.loss import IGNORE_INDEX, Loss, LossOut, token_logps
+
+DPO_METRICS = (
+    "rewards_chosen",
+    "rewards_rejected",
+    "reward_margin",
+    "reward_accuracy",
+    "logps_chosen",
+    "logps_rejected",
+)
+
+
+class PairLoss(Loss):
+    """A loss over pairs: both sides of each pair in one forward pass of 2B rows."""
+
+    def count(self, batch: dict) -> int:
+        return batch["tokens"].shape[0]
+
+    def forward(self, model, batch: dict):
+        return model(batch["tokens"].flatten(0, 1))
+
+    def summarize(self, totals: dict, count: int, parts: int) -> dict:
+        return {k: float(v) / max(count, 1) for k, v in totals.items()}
+
+
+def side_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed completion log-probs (B, 2), completion tokens (B, 2)) of logits (2B, T, V) and
+    targets (B, 2, T)."""
+    B = targets.shape[0]
+    t = targets.flatten(0, 1)
+    lp = token_logps(logits, t)  # (2B, T), 0 where ignored
+    return lp.sum(-1).view(B, 2), (t != IGNORE_INDEX).sum(-1).view(B, 2)
+
+
+class DPOLoss(PairLoss):
+    """The DPO family (module docstring). The reference log-probs come from the batch
+    (`ref_logps` (B, 2), a cached reference) or from `reference(tokens (2B, T)) -> logits`, run
+    without gradients (an online reference: a frozen model, or the policy with its adapters off)."""
+
+    console = ("reward_accuracy", "reward_margin")
+
+    def __init__(self, cfg: DPOConfig, reference=None):
+        self.cfg, self.reference = cfg, reference
+
+    def __call__(self, model, batch: dict) -> LossOut:
+        if self.reference is not None and self.cfg.loss != "simpo":
+            with torch.no_grad():
+                ref, _ = side_logps(self.reference(batch["tokens"].flatten(0, 1)), batch["targets"])
+            batch = {**batch, "ref_logps": ref}
+        return self.from_output(self.forward(model, batch), batch)
+
+    def from_output(self, logits, batch: dict) -> LossOut:
+        logps, n = side_logps(logits, batch["targets"])
+        ref = batch.get("ref_logps")
+        losses, rewards = dpo_losses(self.cfg, logps, n, None if ref is None else ref.float())
+        if self.cfg.rpo_alpha:  # NLL of the chosen completions per token, as a microbatch mean (trl)
+            nll = -logps[:, 0].sum() / n[:, 0].sum().clamp(min=1)
+            losses = losses + self.cfg.rpo_alpha * nll
+        d = rewards.detach()
+        metrics = {
+            "rewards_chosen": d[:, 0].sum(),
+            "rewards_rejected": d[:, 1].sum(),
+            "reward_margin": (d[:, 0] - d[:, 1]).sum(),
+            "reward_accuracy": (d[:, 0] > d[:, 1]).float().sum(),
+            "logps_chosen": logps[:, 0].detach().sum(),
+            "logps_rejected": logps[:, 1].detach().sum(),
+        }
+        return LossOut(losses.sum(), logps.shape[0], metrics)
+
+
+def dpo_losses(
+    cfg: DPOConfig, logps: torch.Tensor, n: torch.Tensor, ref: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss per pair (B,), rewards (B, 2)) from the policy's summed completion log-probs (B, 2),
+    the completion lengths (B, 2) and the reference's (B, 2) (None for SimPO)."""
+    beta, eps = cfg.beta, cfg.label_smoothing
+    if cfg.loss == "simpo":
+        avg = logps / n.clamp(min=1)
+        h = beta * (avg[:, 0] - avg[:, 1]) - cfg.simpo_gamma
+        loss = -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)
+        return loss, beta * avg.detach()
+    if ref is None:
+        raise ValueError(f"dpo.loss={cfg.loss} needs the reference log-probs")
+    ratios = logps - ref  # (B, 2): log pi / ref per side
+    rewards = beta * ratios.detach()
+    if cfg.loss == "ipo":  # on per-token means, as the IPO authors and trl compute it
+        r = ratios / n.clamp(min=1)
+        return (r[:, 0] - r[:, 1] - 1 / (2 * beta)) ** 2, rewards
+    h = beta * (ratios[:, 0] - ratios[:, 1])
+    if cfg.loss == "sigmoid":
+        loss = -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)
+    elif cfg.loss == "robust":
+        loss = (-(1 - eps) * F.logsigmoid(h) + eps * F.logsigmoid(-h)) / (1 - 2 * eps)
+    elif cfg.loss == "hinge":
+        loss = torch.relu(1 - h)
+    else:
+        raise ValueError(f"unknown dpo.loss {cfg.loss!r}")
+    return loss, rewards
+
+
+class RewardLoss(PairLoss):
+    """Bradley-Terry on the score of each side's last token: -log s(r_c - r_r - margin), plus
+    center_coef (r_c + r_r)^2 (trl's center_rewards_coefficient). Metrics: `accuracy` (r_c > r_r)
+    and `margin` (r_c - r_r), per pair."""
+
+    console = ("accuracy", "margin")
+
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+
+    def from_output(self, scores, batch: dict) -> LossOut:
+        r = last_scores(scores, batch["ends"])  # (B, 2)
+        diff = r[:, 0] - r[:, 1]
+        loss = -F.logsigmoid(diff - self.cfg.margin)
+        if self.cfg.center_coef:
+            loss = loss + self.cfg.center_coef * (r[:, 0] + r[:, 1]) ** 2
+        d = diff.detach()
+        metrics = {"accuracy": (d > 0).float().sum(), "margin": d.sum()}
+        return LossOut(loss.sum(), r.shape[0], metrics)
+
+
+def last_scores(scores: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Each row's score at its last token: scores (2B, T, 1), ends (B, 2) -> (B, 2) fp32."""
+    B = ends.shape[0]
+    s = scores.squeeze(-1).float()
+    return s.gather(1, ends.reshape(-1, 1)).view(B, 2)
