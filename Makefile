@@ -92,7 +92,7 @@ import json
 r = {n: json.load(open(f'$(DPO)/{n}.json')) for n in ('pref-before', 'pref-after', 'before', 'after', 'reward')}
 final = json.load(open('$(DPO)/run/run_card.json'))['final']
 print(f"dpo-demo: held-out pairs: DPO's implicit reward ranks chosen first in {final['val_reward_accuracy']:.0%} "
-      f"(margin {final['val_reward_margin']:.2f}; 50% ties before the first step); the policy's log-prob prefers "
+      f"(margin {final['val_reward_margin']:.2f}; every pair ties before the first step); the policy's log-prob prefers "
       f"chosen in {r['pref-before']['accuracy']:.0%} before, {r['pref-after']['accuracy']:.0%} after; task accuracy "
       f"{r['before']['accuracy']:.0%} before, {r['after']['accuracy']:.0%} after; reward model held-out accuracy "
       f"{r['reward']['accuracy']:.0%} ({r['reward']['pairs']} pairs)")
