@@ -8,6 +8,9 @@ map is a prefix (our modules mirror HF's `LlamaModel`): `model.` + our key, exce
 one tensor per expert (`model.layers.0.block_sparse_moe.experts.3.w1.weight` in Mixtral,
 `model.layers.0.mlp.experts.3.gate_proj.weight` in Qwen3-MoE), ladle one stacked parameter per
 kind (`layers.0.mlp.experts.gate_proj`, expert 3 its slice [3]). `hf_layout` is that map.
+A reward model (`model.head: score`) is the family's `...ForSequenceClassification` with
+`num_labels` 1: the same decoder and a top-level `score.weight` instead of `lm_head.weight`; a
+causal LM's folder read into it leaves the score head to its own init (`HFWeights.holds`).
 No transformers import here: the folder format is plain JSON + safetensors.
 """
 
