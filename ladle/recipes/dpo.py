@@ -48,9 +48,9 @@ def pair_samples(cfg: LadleConfig, split: str, found, ref_logps=None) -> PairSam
 def setup(s: base.Setup):
     cfg = s.cfg
     if cfg.dpo.loss == "simpo":
-        return (lambda c, split, f: pair_samples(c, split, f)), DPOLoss(cfg.dpo)
+        return pair_samples, DPOLoss(cfg.dpo)
     if cfg.dpo.reference == "online":
-        return (lambda c, split, f: pair_samples(c, split, f)), DPOLoss(cfg.dpo, online_reference(s))
+        return pair_samples, DPOLoss(cfg.dpo, online_reference(s))
     cached = reference.load(cfg)
     if cached is None:
         cached = compute_cache(s)

@@ -35,6 +35,4 @@ def with_score_head(cfg: LadleConfig) -> LadleConfig:
 
 def run(cfg: LadleConfig) -> str:
     cfg = with_score_head(cfg)
-    return base.run(
-        cfg, "reward", lambda c, split, found: pair_samples(c, split, found), RewardLoss(cfg.reward)
-    )
+    return base.run(cfg, "reward", pair_samples, RewardLoss(cfg.reward))
