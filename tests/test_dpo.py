@@ -472,3 +472,19 @@ REAL = {"dpo/llama-3.1-8b-lora": 1, "dpo/qwen2.5-7b-full-8dev": 8, "reward/llama
 def test_real_model_configs_validate_for_their_world(name, capsys):
     assert main(["validate", "--config", name, "--no-paths", "--nproc", str(REAL[name])]) == 0
     assert f"layout for {REAL[name]} processes" in capsys.readouterr().err
+
+
+def test_a_damaged_cache_is_refused_not_trusted(chat_tokenizer, pref_data, sft_model, tmp_path, capsys):
+    cfg = pair_config(chat_tokenizer, pref_data, tmp_path / "r", train__max_steps=1)
+    cfg["model"] = {"init_from": str(sft_model)}
+    _run("dpo", cfg)
+    cache = tmp_path / "r" / "reference"
+    (cache / "train.npy").write_bytes((cache / "train.npy").read_bytes()[:40])  # truncated
+    cfg["train"].update(resume="auto", max_steps=2)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "dpo", "--config", str(path)]) == 2
+    assert "a cached file is missing or damaged" in capsys.readouterr().err
+    (cache / "key.json").write_text("{not json")
+    assert main(["run", "dpo", "--config", str(path)]) == 2
+    assert "key.json is damaged" in capsys.readouterr().err

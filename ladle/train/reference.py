@@ -61,7 +61,13 @@ def load(cfg: LadleConfig) -> dict[str, np.ndarray] | None:
     d = Path(cfg.output_dir) / CACHE_DIR
     if not (d / "key.json").is_file():
         return None
-    saved = json.loads((d / "key.json").read_text())
+    try:
+        saved = json.loads((d / "key.json").read_text())
+        splits = {s: d / f"{s}.npy" for s in saved["splits"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(
+            f"{d / 'key.json'} is damaged ({e}); delete {d} to compute the reference again"
+        ) from None
     ident = identity(cfg)
     if saved.get("key") != key_of(ident):
         what = [k for k in ident if saved.get("identity", {}).get(k) != ident[k]]
@@ -70,7 +76,12 @@ def load(cfg: LadleConfig) -> dict[str, np.ndarray] | None:
             f"{', '.join(what) or 'unknown'}); they are never reused. Restore the original data.path and "
             f"model.init_from, or delete {d} to compute them again (or use another output_dir)"
         )
-    return {s: np.load(d / f"{s}.npy") for s in saved["splits"]}
+    try:  # never pickles: a crafted file runs nothing
+        return {s: np.load(f, allow_pickle=False) for s, f in splits.items()}
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"{d}: a cached file is missing or damaged ({e}); delete {d} to compute it again"
+        ) from None
 
 
 def save(cfg: LadleConfig, logps: dict[str, np.ndarray]) -> None:
