@@ -140,18 +140,17 @@ def hf_timed_train(model, dataset, out: Path, *, steps, warmup, batch, lr, bf16,
             return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), inputs["labels"].flatten())
 
     times: list[float] = []
+    args = transformers.TrainingArguments(**hf_args(out, steps=warmup + steps, batch=batch, lr=lr, bf16=bf16))
+    Shifted(model=model, args=args, train_dataset=dataset, callbacks=[step_timer(times)]).train()
+    return statistics.median(times[warmup:])
 
-    class Timer(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-    args = transformers.TrainingArguments(
+def hf_args(out: Path, *, steps, batch, lr, bf16) -> dict:
+    """The TrainingArguments of a timed peer run (trl's configs take the same keys)."""
+    return dict(
         output_dir=str(out),
         per_device_train_batch_size=batch,
-        max_steps=warmup + steps,
+        max_steps=steps,
         learning_rate=lr,
         bf16=bf16,
         use_cpu=not torch.cuda.is_available(),
@@ -165,8 +164,20 @@ def hf_timed_train(model, dataset, out: Path, *, steps, warmup, batch, lr, bf16,
         seed=0,
         remove_unused_columns=False,
     )
-    Shifted(model=model, args=args, train_dataset=dataset, callbacks=[Timer()]).train()
-    return statistics.median(times[warmup:])
+
+
+def step_timer(times: list[float]):
+    """A Trainer callback that appends each optimizer step's wall seconds to `times`."""
+    import transformers
+
+    class Timer(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    return Timer()
 
 
 def main() -> None:

@@ -225,6 +225,7 @@ def cmd_data_synth(args) -> int:
         val=args.val,
         seed=args.seed,
         max_digits=args.max_digits,
+        max_words=args.max_words,
         pairs=args.pairs,
     )
     what = "preference pairs" if args.pairs else "chats"
@@ -496,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--train", type=int, default=20000, help="train examples")
     d.add_argument("--val", type=int, default=200, help="held-out examples (no prompt also in train)")
     d.add_argument("--max-digits", type=int, default=3, help="addition: digits per operand")
+    d.add_argument("--max-words", type=int, default=5, help="sort: at most this many words (3 at least)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument(
         "--pairs",

@@ -187,6 +187,59 @@ def test_token_logps_is_log_softmax_and_its_gradient():
     assert torch.allclose(got, ref, atol=1e-6) and torch.allclose(g1, logits.grad, atol=1e-6)
 
 
+def _pair_batch(B=5, T=40, vocab=64, seed=0):
+    """B pairs of random tokens, each side of its own length (one far longer than the rest),
+    padded at the end to T; completions are each side's second half."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, vocab, (B, 2, T), generator=g)
+    targets = torch.full((B, 2, T), IGNORE_INDEX)
+    lengths = torch.randint(4, 17, (B, 2), generator=g)
+    lengths[1, 0] = T
+    for b in range(B):
+        for side in range(2):
+            n = int(lengths[b, side])
+            tokens[b, side, n:] = 2
+            targets[b, side, n // 2 : n - 1] = tokens[b, side, n // 2 + 1 : n]
+    return {"tokens": tokens, "targets": targets, "ends": lengths - 1}
+
+
+def test_length_buckets_score_pairs_as_one_padded_forward():
+    from ladle.config.schema import ModelConfig
+    from ladle.models.llama import build_model
+    from ladle.train.preference import buckets, pair_logps, pair_scores, side_logps
+
+    batch = _pair_batch()
+    ends = batch["ends"].flatten()
+    groups = buckets(ends, 40, multiple=8)
+    assert sorted(i for idx, _ in groups for i in idx.tolist()) == list(range(10))  # every row once
+    assert len(groups) == 2  # 10 rows: groups of at least 4 rows
+    assert len(buckets(torch.zeros(10, dtype=torch.long), 40)) == 2  # the count depends on the rows alone
+    for idx, keep in groups:
+        assert keep % 8 == 0 or keep == 40
+        assert int(ends[idx].max()) < keep
+    assert groups[0][1] < 40 and groups[-1][1] == 40  # the short rows do not pay for the long one
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    model = build_model(ModelConfig(**cfg))
+    logps, n = pair_logps(model, batch)
+    logps.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref, ref_n = side_logps(model(batch["tokens"].flatten(0, 1)), batch["targets"])
+    ref.sum().backward()
+    assert torch.equal(n, ref_n) and torch.allclose(logps, ref, atol=1e-4, rtol=1e-5)
+    for a, p in zip(grads, model.parameters(), strict=True):
+        assert torch.allclose(a, p.grad, atol=1e-5, rtol=1e-4)
+
+    torch.manual_seed(0)
+    scorer = build_model(ModelConfig(**cfg, head="score"))
+    from ladle.train.preference import last_scores
+
+    want = last_scores(scorer(batch["tokens"].flatten(0, 1)), batch["ends"])
+    assert torch.allclose(pair_scores(scorer, batch), want, atol=1e-5)
+
+
 # -- data and rows ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pref_data(chat_tokenizer, tmp_path_factory):

@@ -1,11 +1,13 @@
 """Small chat tasks whose answers can be checked, generated from a seed: the SFT demo's data.
 
 `addition`: "What is 47 + 385?" -> "432". `sort`: "Sort these words alphabetically: pear fig
-apple" -> "apple fig pear". Each record is a `messages` chat (ladle/data/sft.py) whose last,
+apple" -> "apple fig pear" (3 to `max_words` words). Each record is a `messages` chat (ladle/data/sft.py) whose last,
 assistant message is the reference answer; `ladle eval --task generate` scores a model on the
 held-out file by exact match. With `pairs`, each record is a preference pair instead (the DPO
 demo's data): the prompt, the correct answer as `chosen` and a plausible wrong one as `rejected`
 (addition: off by 1, 2 or 10; sort: two neighbours swapped, a word left out, or the words as given).
+The wrong answers draw on a stream of their own, so one seed gives the same problems with and
+without `pairs`: the held-out chats of a task are the held-out pairs' problems.
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ PHRASES = {
 TASKS = tuple(PHRASES)
 
 
-def make_example(task: str, rng: random.Random, max_digits: int = 3) -> dict:
+def make_example(task: str, rng: random.Random, max_digits: int = 3, max_words: int = 5) -> dict:
     """A chat, and under "key" what makes it the same problem however it is phrased."""
     if task == "addition":
         a = rng.randrange(10 ** rng.randint(1, max_digits))
         b = rng.randrange(10 ** rng.randint(1, max_digits))
         prompt, answer, key = rng.choice(PHRASES[task]).format(a=a, b=b), str(a + b), (a, b)
     elif task == "sort":
-        words = rng.sample(WORDS, rng.randint(3, 5))
+        words = rng.sample(WORDS, rng.randint(3, max_words))
         prompt, answer = rng.choice(PHRASES[task]).format(w=" ".join(words)), " ".join(sorted(words))
         key = tuple(words)
     else:
@@ -70,15 +72,18 @@ def write_task(
     val: int,
     seed: int = 0,
     max_digits: int = 3,
+    max_words: int = 5,
     pairs: bool = False,
 ) -> dict:
     """`output/train.jsonl` and `output/val.jsonl`; no problem of val is in train, however phrased
     (the same operands, or the same words in the same order)."""
     if task not in TASKS:
         raise DataError(f"unknown synthetic task {task!r}; tasks are {', '.join(TASKS)}")
+    if not 3 <= max_words <= len(WORDS):
+        raise DataError(f"--max-words {max_words}: choose 3 to {len(WORDS)}")
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
+    rng, wrong = random.Random(seed), random.Random(seed + 7919)  # problems; wrong answers
     seen, splits = set(), {"val": [], "train": []}
     for split, n in (("val", val), ("train", train)):
         tries = 0
@@ -86,14 +91,14 @@ def write_task(
             tries += 1
             if tries > 20 * n + 1000:
                 raise DataError(f"task {task}: cannot draw {n} distinct {split} examples; ask for fewer")
-            ex = make_example(task, rng, max_digits)
+            ex = make_example(task, rng, max_digits, max_words)
             if ex["key"] in seen:
                 continue
             seen.add(ex["key"])
             if pairs:
                 prompt, answer = (m["content"] for m in ex["messages"])
                 splits[split].append(
-                    {"prompt": prompt, "chosen": answer, "rejected": wrong_answer(task, ex, rng)}
+                    {"prompt": prompt, "chosen": answer, "rejected": wrong_answer(task, ex, wrong)}
                 )
             else:
                 splits[split].append({"messages": ex["messages"]})

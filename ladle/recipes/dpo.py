@@ -21,7 +21,7 @@ from ladle.models.lora import adapters_disabled
 from ladle.recipes import base
 from ladle.train import reference
 from ladle.train.builder import build_model
-from ladle.train.preference import DPOLoss
+from ladle.train.preference import DPOLoss, pad_multiple
 
 DATA_TASK = "preference"  # `ladle data prepare --task preference`
 SPLITS = ("train", "val")
@@ -47,16 +47,17 @@ def pair_samples(cfg: LadleConfig, split: str, found, ref_logps=None) -> PairSam
 
 def setup(s: base.Setup):
     cfg = s.cfg
+    multiple = pad_multiple(s.par.layout.tp)
     if cfg.dpo.loss == "simpo":
-        return pair_samples, DPOLoss(cfg.dpo)
+        return pair_samples, DPOLoss(cfg.dpo, multiple=multiple)
     if cfg.dpo.reference == "online":
-        return pair_samples, DPOLoss(cfg.dpo, online_reference(s))
+        return pair_samples, DPOLoss(cfg.dpo, online_reference(s), multiple)
     cached = reference.load(cfg)
     if cached is None:
         cached = compute_cache(s)
     else:
         s.run.events(f"reference log-probs: reused from {cfg.output_dir}/{reference.CACHE_DIR}")
-    return (lambda c, split, f: pair_samples(c, split, f, cached[split])), DPOLoss(cfg.dpo)
+    return (lambda c, split, f: pair_samples(c, split, f, cached[split])), DPOLoss(cfg.dpo, multiple=multiple)
 
 
 def online_reference(s: base.Setup):

@@ -12,7 +12,7 @@ from ladle.errors import ConfigError
 from ladle.recipes import base
 from ladle.recipes.dpo import check_layout as pair_layout
 from ladle.recipes.dpo import pair_samples
-from ladle.train.preference import RewardLoss
+from ladle.train.preference import RewardLoss, pad_multiple
 
 DATA_TASK = "preference"
 
@@ -33,6 +33,9 @@ def with_score_head(cfg: LadleConfig) -> LadleConfig:
     )
 
 
+def setup(s: base.Setup):
+    return pair_samples, RewardLoss(s.cfg.reward, pad_multiple(s.par.layout.tp))
+
+
 def run(cfg: LadleConfig) -> str:
-    cfg = with_score_head(cfg)
-    return base.run(cfg, "reward", pair_samples, RewardLoss(cfg.reward))
+    return base.run(with_score_head(cfg), "reward", None, setup=setup)

@@ -104,7 +104,7 @@ def evaluate_pairs(
     from ladle.data.loader import collate
     from ladle.data.pairs import PairSamples
     from ladle.data.preference import PreferenceSplit
-    from ladle.train.preference import last_scores, side_logps
+    from ladle.train.preference import pair_logps, pair_scores
 
     pairs = PreferenceSplit(data_dir, split)
     if len(pairs) == 0:
@@ -115,8 +115,7 @@ def evaluate_pairs(
     for s in range(0, len(rows), batch_size):
         b = collate([rows.get(i) for i in range(s, min(s + batch_size, len(rows)))])
         b = {k: v.to(device) for k, v in b.items()}
-        out = model(b["tokens"].flatten(0, 1))
-        v = last_scores(out, b["ends"]) if score else side_logps(out, b["targets"])[0]
+        v = pair_scores(model, b) if score else pair_logps(model, b)[0]
         d = (v[:, 0] - v[:, 1]).float()
         wins += int((d > 0).sum())
         margin += float(d.sum())

@@ -3,9 +3,10 @@
 
 A microbatch holds B pairs as `tokens` (B, 2, T): each pair's chosen and rejected sequences,
 each a row of its own from position 0, padded at the end (so causal attention alone keeps them
-apart); `targets` mark the completion tokens only. Both sides of every pair run in one forward
-pass of 2B rows. A pair is the unit of the count: every loss is a sum over pairs, divided by
-the pairs of the global batch.
+apart); `targets` mark the completion tokens only. The 2B rows run in a few forward passes of
+rows of similar length, each cut to its longest (`per_row`), and both sides are scored before the
+loss. A pair is the unit of the count: every loss is a sum over pairs, divided by the pairs of
+the global batch.
 
 With pi / ref the summed completion log-probs of the policy / reference, the DPO losses of
 `dpo.loss` (beta = dpo.beta, eps = dpo.label_smoothing) on
@@ -20,6 +21,8 @@ logged are beta (pi - ref) per side (beta pi / |side| for SimPO), as trl logs th
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +40,69 @@ DPO_METRICS = (
 )
 
 
+def pad_multiple(tp: int) -> int:
+    """What a bucket's length is rounded up to: a multiple of the TP degree (sequence parallelism
+    splits the tokens tp ways) and of 8 (few shapes for torch.compile)."""
+    return math.lcm(8, tp)
+
+
+def buckets(ends: torch.Tensor, T: int, multiple: int = 8, n: int = 4) -> list[tuple[torch.Tensor, int]]:
+    """The rows of a microbatch (`ends` (R,), each row's last position) in up to `n` groups of
+    similar length, shortest first: (row indices, length to keep) each, the length that of the
+    group's longest row rounded up to `multiple` (at most T). Rows are padded to data.seq_len, and
+    one row per batch may be far longer than the rest; a group pays only for its own longest, so
+    the forward passes cost about what the rows hold. The number of groups depends on the row
+    count alone, so every rank runs as many forward passes (FSDP gathers per pass). One host sync."""
+    lengths = (ends + 1).tolist()
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    size = -(-len(order) // max(1, min(n, len(order) // 4)))  # >= 4 rows a group
+    out = []
+    for s in range(0, len(order), size):
+        idx = order[s : s + size]
+        keep = min(T, -(-lengths[idx[-1]] // multiple) * multiple)
+        out.append((torch.tensor(idx, device=ends.device), keep))
+    return out
+
+
+def per_row(model, batch: dict, value, multiple: int = 8) -> torch.Tensor:
+    """`value(output, targets, ends)` of every row of the pairs' 2B rows, run by length groups
+    (`buckets`), as (B, 2, ...) in the batch's order."""
+    B, _, T = batch["tokens"].shape
+    tokens, targets = batch["tokens"].flatten(0, 1), batch["targets"].flatten(0, 1)
+    ends = batch["ends"].flatten()
+    parts, order = [], []
+    for idx, keep in buckets(ends, T, multiple):
+        parts.append(value(model(tokens[idx, :keep]), targets[idx, :keep], ends[idx]))
+        order.append(idx)
+    order = torch.cat(order)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=order.device)
+    out = torch.cat(parts)[inverse]
+    return out.view(B, 2, *out.shape[1:])
+
+
+def _row_logps(logits, targets, ends) -> torch.Tensor:
+    lp = token_logps(logits, targets)  # (R, T), 0 where ignored
+    return torch.stack([lp.sum(-1), (targets != IGNORE_INDEX).sum(-1).to(lp.dtype)], -1)
+
+
+def pair_logps(model, batch: dict, multiple: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed completion log-probs (B, 2), completion tokens (B, 2)) of `model` on a batch of pairs."""
+    v = per_row(model, batch, _row_logps, multiple)
+    return v[..., 0], v[..., 1].long()
+
+
+def pair_scores(model, batch: dict, multiple: int = 8) -> torch.Tensor:
+    """A reward model's score of each side, at its last token: (B, 2) fp32."""
+    return per_row(model, batch, lambda s, t, e: s.squeeze(-1).float().gather(1, e[:, None])[:, 0], multiple)
+
+
 class PairLoss(Loss):
-    """A loss over pairs: both sides of each pair in one forward pass of 2B rows."""
+    """A loss over pairs: both sides of each pair scored, the 2B rows by length groups (`per_row`;
+    `multiple` as there). `from_output` takes one forward pass over all rows."""
+
+    def __init__(self, multiple: int = 8):
+        self.multiple = multiple
 
     def count(self, batch: dict) -> int:
         return batch["tokens"].shape[0]
@@ -66,18 +130,21 @@ class DPOLoss(PairLoss):
 
     console = ("reward_accuracy", "reward_margin")
 
-    def __init__(self, cfg: DPOConfig, reference=None):
+    def __init__(self, cfg: DPOConfig, reference=None, multiple: int = 8):
+        super().__init__(multiple)
         self.cfg, self.reference = cfg, reference
 
     def __call__(self, model, batch: dict) -> LossOut:
         if self.reference is not None and self.cfg.loss != "simpo":
             with torch.no_grad():
-                ref, _ = side_logps(self.reference(batch["tokens"].flatten(0, 1)), batch["targets"])
+                ref, _ = pair_logps(self.reference, batch, self.multiple)
             batch = {**batch, "ref_logps": ref}
-        return self.from_output(self.forward(model, batch), batch)
+        return self.from_logps(*pair_logps(model, batch, self.multiple), batch)
 
     def from_output(self, logits, batch: dict) -> LossOut:
-        logps, n = side_logps(logits, batch["targets"])
+        return self.from_logps(*side_logps(logits, batch["targets"]), batch)
+
+    def from_logps(self, logps: torch.Tensor, n: torch.Tensor, batch: dict) -> LossOut:
         ref = batch.get("ref_logps")
         losses, rewards = dpo_losses(self.cfg, logps, n, None if ref is None else ref.float())
         if self.cfg.rpo_alpha:  # NLL of the chosen completions per token, as a microbatch mean (trl)
@@ -132,11 +199,18 @@ class RewardLoss(PairLoss):
 
     console = ("accuracy", "margin")
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, multiple: int = 8):
+        super().__init__(multiple)
         self.cfg = cfg
 
+    def __call__(self, model, batch: dict) -> LossOut:
+        return self.from_scores(pair_scores(model, batch, self.multiple))
+
     def from_output(self, scores, batch: dict) -> LossOut:
-        r = last_scores(scores, batch["ends"])  # (B, 2)
+        return self.from_scores(last_scores(scores, batch["ends"]))
+
+    def from_scores(self, r: torch.Tensor) -> LossOut:
+        """r (B, 2): each side's score."""
         diff = r[:, 0] - r[:, 1]
         loss = -F.logsigmoid(diff - self.cfg.margin)
         if self.cfg.center_coef:

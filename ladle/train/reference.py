@@ -105,7 +105,7 @@ def compute(model, samples, par, micro_batch_size: int, device, context) -> np.n
     data-parallel rank taking every dp_size-th batch; ranks of a TP group compute the same rows.
     `context()` is the training forward's (autocast, loss-parallel)."""
     from ladle.data.loader import collate
-    from ladle.train.preference import side_logps
+    from ladle.train.preference import pad_multiple, pair_logps
 
     n = len(samples)
     out = torch.zeros(n, 2, dtype=torch.float64, device=device)
@@ -117,7 +117,7 @@ def compute(model, samples, par, micro_batch_size: int, device, context) -> np.n
         idx = [min(i, n - 1) for i in range(first, first + micro_batch_size)]
         b = {k: v.to(device) for k, v in collate([samples.get(i) for i in idx]).items()}
         with context():
-            lp, _ = side_logps(model(b["tokens"].flatten(0, 1)), b["targets"])
+            lp, _ = pair_logps(model, b, pad_multiple(par.layout.tp))
         for j, i in enumerate(range(first, min(first + micro_batch_size, n))):
             out[i] = lp[j].double()
     model.train(was_training)
