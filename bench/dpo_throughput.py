@@ -157,27 +157,11 @@ def trl_dpo(tok, data, out: Path, steps: int, warmup: int, precision: str) -> fl
 
 def trl_reward(tok, data, out: Path, steps: int, warmup: int, precision: str) -> float:
     import datasets
-    import transformers
     import trl
-    from train_throughput import hf_args, step_timer
+    from train_throughput import hf_args, hf_bench30m, step_timer
 
     hf_tok = tokenizer(tok)
-    m = BENCH_30M
-    config = transformers.LlamaConfig(
-        vocab_size=m["vocab_size"],
-        hidden_size=m["dim"],
-        num_hidden_layers=m["n_layers"],
-        num_attention_heads=m["n_heads"],
-        num_key_value_heads=m["n_kv_heads"],
-        intermediate_size=m["ffn_dim"],
-        max_position_embeddings=m["max_seq_len"],
-        tie_word_embeddings=m["tie_embeddings"],
-        num_labels=1,
-        pad_token_id=hf_tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForSequenceClassification(config)
-    model.config._attn_implementation = "sdpa"
+    model = hf_bench30m("LlamaForSequenceClassification", num_labels=1, pad_token_id=hf_tok.pad_token_id)
     rows = [
         {"chosen_ids": r["prompt_ids"] + r["chosen_ids"], "rejected_ids": r["prompt_ids"] + r["rejected_ids"]}
         for r in trl_rows(data)

@@ -77,8 +77,9 @@ def ladle_run(
     }
 
 
-def hf_bench30m():
-    """bench-30m as a transformers LlamaForCausalLM (seed 0, SDPA attention)."""
+def hf_bench30m(head: str = "LlamaForCausalLM", **extra):
+    """bench-30m as a transformers Llama model with `head` (seed 0, SDPA attention); `extra`
+    config keys (num_labels, pad_token_id for a sequence classifier)."""
     import transformers
 
     m = BENCH_30M
@@ -91,9 +92,10 @@ def hf_bench30m():
         intermediate_size=m["ffn_dim"],
         max_position_embeddings=m["max_seq_len"],
         tie_word_embeddings=m["tie_embeddings"],
+        **extra,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = getattr(transformers, head)(config)
     model.config._attn_implementation = "sdpa"
     return model
 
