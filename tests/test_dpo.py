@@ -218,6 +218,10 @@ def test_length_buckets_score_pairs_as_one_padded_forward():
         assert keep % 8 == 0 or keep == 40
         assert int(ends[idx].max()) < keep
     assert groups[0][1] < 40 and groups[-1][1] == 40  # the short rows do not pay for the long one
+    # tokens/s and MFU count the rows' tokens, not their padding to seq_len
+    from ladle.train.preference import PairLoss
+
+    assert PairLoss().tokens(batch) == int((ends + 1).sum()) < batch["tokens"].numel()
 
     torch.manual_seed(0)
     cfg = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
@@ -232,12 +236,26 @@ def test_length_buckets_score_pairs_as_one_padded_forward():
     for a, p in zip(grads, model.parameters(), strict=True):
         assert torch.allclose(a, p.grad, atol=1e-5, rtol=1e-4)
 
+    # A reward model's scores: the final block computing only each row's last position (`at`)
+    # gives the scores and gradients of scoring every position and reading the last.
     torch.manual_seed(0)
-    scorer = build_model(ModelConfig(**cfg, head="score"))
+    scorer = build_model(ModelConfig(**cfg, head="score", qk_norm=True, qkv_bias=True))
     from ladle.train.preference import last_scores
 
     want = last_scores(scorer(batch["tokens"].flatten(0, 1)), batch["ends"])
-    assert torch.allclose(pair_scores(scorer, batch), want, atol=1e-5)
+    want.sum().backward()
+    want_grads = [p.grad.clone() for p in scorer.parameters()]
+    for last_only in (True, False):
+        scorer.zero_grad()
+        got = pair_scores(scorer, batch, last_only=last_only)
+        got.sum().backward()
+        assert torch.allclose(got, want, atol=1e-5)
+        for a, p in zip(want_grads, scorer.parameters(), strict=True):
+            assert torch.allclose(a, p.grad, atol=1e-5, rtol=1e-4)
+    tokens, ends = batch["tokens"].flatten(0, 1), batch["ends"].flatten()
+    assert scorer(tokens, at=ends).shape == (10, 1, 1)
+    with pytest.raises(ValueError, match="plain causal rows only"):
+        scorer(tokens, doc_ids=torch.ones_like(tokens), at=ends)
 
 
 # -- data and rows ------------------------------------------------------------------------------
@@ -465,7 +483,8 @@ PAIR_LAYOUTS = {
         ["parallel.tp=2", "parallel.dp_shard=1", "dpo.reference=online"],
     ),
     "dpo dp_shard=2 x tp=2": ("dpo", 4, ["parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch_size=2"]),
-    "reward tp=2": ("reward", 2, ["parallel.tp=2", "parallel.dp_shard=1"]),
+    "reward tp=2": ("reward", 2, ["parallel.tp=2", "parallel.dp_shard=1"]),  # scores every position
+    "reward fsdp dp_shard=2": ("reward", 2, ["parallel.dp_shard=2", "train.micro_batch_size=2"]),
 }
 
 

@@ -125,20 +125,25 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, layer: int = 0, at=None):
+        """at (B,): queries at that one position of each row only (see `Llama.forward`)."""
         B, T, _ = x.shape
         D = self.head_dim
+        xq, cq, sq = (x, cos, sin) if at is None else (pick(x, at), pick(cos, at), pick(sin, at))
+        Tq = xq.shape[1]
         # Head counts from the shapes (-1): under tensor parallelism the projections hold only
         # this rank's H / tp and K / tp heads (ladle/parallel/tp.py).
-        q = self.q_proj(x).view(B, T, -1, D)
+        q = self.q_proj(xq).view(B, Tq, -1, D)
         k = self.k_proj(x).view(B, T, -1, D)
         v = self.v_proj(x).view(B, T, -1, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v, mask, cache, layer)  # (B, H, T, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        q, k = apply_rope(q, cq, sq), apply_rope(k, cos, sin)
+        if at is not None:  # each query sees the keys up to its own position
+            mask = (torch.arange(T, device=x.device) <= at[:, None])[:, None, None, :]  # (B, 1, 1, T)
+        y = self.attend(q, k, v, mask, cache, layer)  # (B, H, Tq, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, Tq, -1))
 
     def attend(self, q, k, v, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
         if cache is not None:
@@ -170,9 +175,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.moe else MLP(cfg)
 
-    def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
-        """-> (x, router statistics or None for a dense MLP)."""
-        x = x + self.self_attn(to_compute_dtype(self.input_layernorm(x)), cos, sin, mask, cache, layer)
+    def forward(self, x, cos, sin, mask=None, cache=None, layer=0, at=None):
+        """-> (x, router statistics or None for a dense MLP); (B, 1, dim) at `at` (see `Llama.forward`)."""
+        h = to_compute_dtype(self.input_layernorm(x))  # every position: keys and values need it
+        if at is not None:
+            x = pick(x, at)
+        # `at` by keyword: tensor parallelism's input hook on self_attn lays out the positional ones
+        x = x + self.self_attn(h, cos, sin, mask, cache, layer, at=at)
         y = self.mlp(to_compute_dtype(self.post_attention_layernorm(x)))
         y, router = y if isinstance(y, tuple) else (y, None)
         return x + y, router
@@ -241,6 +250,11 @@ def sdpa(q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
+def pick(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """x (B, T, ...) at one position per row, at (B,): (B, 1, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device), at][:, None]
+
+
 def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     """A norm's fp32 output cast once to the autocast dtype. Autocast would cast it again for
     every projection that reads it (q, k, v; gate, up) and cast each gradient back: ~10% of a
@@ -297,6 +311,7 @@ class Llama(nn.Module):
         cache: KVCache | None = None,
         attention=None,
         logits_to_keep=0,
+        at=None,
     ):
         """tokens (B, T) -> logits (B, T, vocab), or (B, logits_to_keep, vocab) for the last positions
         ((B, T, 1) scores with `head: score`).
@@ -308,7 +323,14 @@ class Llama(nn.Module):
         (context parallelism passes one that joins the sequence's shards, ladle/parallel/cp.py).
         logits_to_keep: > 0 computes the head for the last positions only (generation's prefill
         needs one: the whole (B, T, vocab) would be 8 GiB for 8 x 2048 tokens of Llama 3).
+        at (B,): the output at that one position of each row only, (B, 1, ...): a reward model's
+        score at each row's last token. The final block computes the query, attention and MLP of
+        that position alone (keys and values of all), 1 / n_layers less work than scoring every
+        position. Plain causal rows only, and not under tensor parallelism, whose sequence
+        parallelism leaves each rank a slice of the positions.
         """
+        if at is not None and (cache is not None or attention is not None or doc_ids is not None):
+            raise ValueError("at: plain causal rows only (no KV cache, documents or attention override)")
         B, T = tokens.shape[:2]  # (B, T), or (B, T, dim) hidden states at a pipeline stage
         start = cache.length if cache is not None else 0
         if positions is None:
@@ -334,8 +356,9 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, T, dim)
         cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, head_dim) each
         router_stats = []
-        for i, layer in self.blocks():
-            x, router = layer(x, cos, sin, mask, cache, i)
+        blocks = list(self.blocks())
+        for n, (i, layer) in enumerate(blocks):
+            x, router = layer(x, cos, sin, mask, cache, i, at if n == len(blocks) - 1 else None)
             if router is not None:
                 router_stats.append(router)
         self.router_stats = router_stats

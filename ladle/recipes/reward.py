@@ -34,7 +34,8 @@ def with_score_head(cfg: LadleConfig) -> LadleConfig:
 
 
 def setup(s: base.Setup):
-    return pair_samples, RewardLoss(s.cfg.reward, pad_multiple(s.par.layout.tp))
+    tp = s.par.layout.tp  # sequence parallelism splits the positions: score them all there
+    return pair_samples, RewardLoss(s.cfg.reward, pad_multiple(tp), last_only=tp == 1)
 
 
 def run(cfg: LadleConfig) -> str:

@@ -129,6 +129,10 @@ class Loss:
     def count(self, batch: dict) -> int:
         raise NotImplementedError
 
+    def tokens(self, batch: dict) -> int:
+        """The tokens the batch holds, for tokens/s and MFU: every position of packed rows."""
+        return batch["tokens"].numel()
+
     def forward(self, model, batch: dict):
         return model(
             batch["tokens"],

@@ -64,15 +64,15 @@ def buckets(ends: torch.Tensor, T: int, multiple: int = 8, n: int = 4) -> list[t
     return out
 
 
-def per_row(model, batch: dict, value, multiple: int = 8) -> torch.Tensor:
-    """`value(output, targets, ends)` of every row of the pairs' 2B rows, run by length groups
-    (`buckets`), as (B, 2, ...) in the batch's order."""
+def per_row(batch: dict, value, multiple: int = 8) -> torch.Tensor:
+    """`value(tokens, targets, ends)` (a forward pass and what is read from it) of every row of the
+    pairs' 2B rows, run by length groups (`buckets`), as (B, 2, ...) in the batch's order."""
     B, _, T = batch["tokens"].shape
     tokens, targets = batch["tokens"].flatten(0, 1), batch["targets"].flatten(0, 1)
     ends = batch["ends"].flatten()
     parts, order = [], []
     for idx, keep in buckets(ends, T, multiple):
-        parts.append(value(model(tokens[idx, :keep]), targets[idx, :keep], ends[idx]))
+        parts.append(value(tokens[idx, :keep], targets[idx, :keep], ends[idx]))
         order.append(idx)
     order = torch.cat(order)
     inverse = torch.empty_like(order)
@@ -81,20 +81,27 @@ def per_row(model, batch: dict, value, multiple: int = 8) -> torch.Tensor:
     return out.view(B, 2, *out.shape[1:])
 
 
-def _row_logps(logits, targets, ends) -> torch.Tensor:
+def _row_logps(logits, targets) -> torch.Tensor:
     lp = token_logps(logits, targets)  # (R, T), 0 where ignored
     return torch.stack([lp.sum(-1), (targets != IGNORE_INDEX).sum(-1).to(lp.dtype)], -1)
 
 
 def pair_logps(model, batch: dict, multiple: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed completion log-probs (B, 2), completion tokens (B, 2)) of `model` on a batch of pairs."""
-    v = per_row(model, batch, _row_logps, multiple)
+    v = per_row(batch, lambda tokens, targets, ends: _row_logps(model(tokens), targets), multiple)
     return v[..., 0], v[..., 1].long()
 
 
-def pair_scores(model, batch: dict, multiple: int = 8) -> torch.Tensor:
-    """A reward model's score of each side, at its last token: (B, 2) fp32."""
-    return per_row(model, batch, lambda s, t, e: s.squeeze(-1).float().gather(1, e[:, None])[:, 0], multiple)
+def pair_scores(model, batch: dict, multiple: int = 8, last_only: bool = True) -> torch.Tensor:
+    """A reward model's score of each side, at its last token: (B, 2) fp32. `last_only`: the final
+    block computes that position alone (`Llama.forward`'s `at`); False under tensor parallelism."""
+
+    def score(tokens, targets, ends):
+        if last_only:
+            return model(tokens, at=ends)[:, 0, 0].float()
+        return model(tokens).squeeze(-1).float().gather(1, ends[:, None])[:, 0]
+
+    return per_row(batch, score, multiple)
 
 
 class PairLoss(Loss):
@@ -106,6 +113,9 @@ class PairLoss(Loss):
 
     def count(self, batch: dict) -> int:
         return batch["tokens"].shape[0]
+
+    def tokens(self, batch: dict) -> int:
+        return int((batch["ends"] + 1).sum())  # the rows' own tokens, not their padding to seq_len
 
     def forward(self, model, batch: dict):
         return model(batch["tokens"].flatten(0, 1))
@@ -199,12 +209,12 @@ class RewardLoss(PairLoss):
 
     console = ("accuracy", "margin")
 
-    def __init__(self, cfg: RewardConfig, multiple: int = 8):
+    def __init__(self, cfg: RewardConfig, multiple: int = 8, last_only: bool = True):
         super().__init__(multiple)
-        self.cfg = cfg
+        self.cfg, self.last_only = cfg, last_only
 
     def __call__(self, model, batch: dict) -> LossOut:
-        return self.from_scores(pair_scores(model, batch, self.multiple))
+        return self.from_scores(pair_scores(model, batch, self.multiple, self.last_only))
 
     def from_output(self, scores, batch: dict) -> LossOut:
         return self.from_scores(last_scores(scores, batch["ends"]))

@@ -95,7 +95,7 @@ class TrainUnit:
         return Result(
             loss=loss_sum / max(total, 1),
             count=total,
-            tokens=sum(b["tokens"].numel() for b in micro) * par.loss_size,
+            tokens=sum(loss.tokens(b) for b in micro) * par.loss_size,
             metrics=loss.summarize(totals, total, len(micro) * par.loss_size),
             t_bwd=time.perf_counter(),
         )
