@@ -197,6 +197,26 @@ def cmd_data_prepare(args) -> int:
             strict=args.strict,
         )
         return 0
+    if args.task == "prompts":
+        from ladle.data.prompts import prepare_prompts
+
+        if args.format != "auto":
+            raise LadleError(
+                f"--format {args.format}: --task prompts reads records with a 'prompt'; leave --format out"
+            )
+        prepare_prompts(
+            args.input,
+            tokenizer=args.tokenizer,
+            output=args.output,
+            template=args.template,
+            max_prompt_len=args.max_prompt_len,
+            glob=args.glob,
+            exclude=args.exclude,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            strict=args.strict,
+        )
+        return 0
     if args.format in ("messages", "sharegpt", "alpaca"):
         raise LadleError(f"--format {args.format} is an SFT record shape; add --task sft")
     prepare(
@@ -470,9 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "text", "jsonl", "parquet", "messages", "sharegpt", "alpaca"],
         help="pretrain: the file format; sft: the record shape (messages, sharegpt, alpaca)",
     )
-    d.add_argument("--task", default="pretrain", choices=["pretrain", "sft", "preference"])
+    d.add_argument("--task", default="pretrain", choices=["pretrain", "sft", "preference", "prompts"])
     d.add_argument(
-        "--template", default=None, help="sft, preference: a built-in chat template (chatml, qwen, llama3)"
+        "--template",
+        default=None,
+        help="sft, preference, prompts: a built-in chat template (chatml, qwen, llama3)",
     )
     d.add_argument(
         "--mask", default="assistant", choices=["assistant", "last_turn", "all"], help="sft: trained tokens"
@@ -482,6 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-len", type=int, default=4096, help="sft, preference: longest sample, in tokens")
     d.add_argument(
         "--overlong", default="truncate", choices=["truncate", "drop"], help="sft, preference: longer samples"
+    )
+    d.add_argument(
+        "--max-prompt-len",
+        type=int,
+        default=1024,
+        help="prompts: longest prompt, in tokens (longer: skipped)",
     )
     d.add_argument("--text-field", default="text")
     d.add_argument("--tokenizer", required=True, metavar="DIR")

@@ -1,6 +1,7 @@
-"""Scorers of a generated answer against a reference: the accuracy of `ladle eval --task generate`,
-and the verifiable rewards of the alignment recipes. Each maps (prediction, reference) to 0.0 or
-1.0.
+"""Scorers of a generated answer against a reference (the accuracy of `ladle eval --task
+generate`), and the rewards of the RL recipes: a registry of rule-based rewards by name, a user's
+own from a file, combined with weights (`Rewards`). A scorer maps (prediction, reference) to 0.0
+or 1.0.
 
 `exact`: equal after stripping surrounding whitespace. `regex`: the first match of the pattern
 (its first group, if it has one) in each, then compared the same way; a prediction without a
@@ -9,10 +10,13 @@ match scores 0.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 
-from ladle.errors import DataError
+from ladle.errors import ConfigError, DataError
 
 Scorer = Callable[[str, str], float]
 
@@ -51,3 +55,299 @@ def scorer(name: str = "exact", pattern: str | None = None) -> Scorer:
     if name == "exact":
         return exact_match
     raise DataError(f"unknown scorer {name!r}; scorers are exact, regex")
+
+
+# -- the rewards of the RL recipes ----------------------------------------------------------------
+# A reward maps one sampled response to a float: `fn(response, record, **context)`, where `record`
+# is the prompt's record as prepared (`ladle data prepare --task prompts`: every field kept) and
+# `context` holds `prompt` (the prompt's text) and `response_tokens` (the response's length in
+# tokens). The registry's rewards are built from a config term's options; a user's own come from
+# a Python file the user names (`rewards.file`), never from the data.
+
+
+def _reference(record: dict, field: str, reward: str) -> str:
+    if field not in record:
+        raise DataError(
+            f"reward {reward!r} reads the field {field!r}, which a prompt record lacks: {record!r:.200}"
+        )
+    return str(record[field])
+
+
+def exact_reward(field: str = "answer"):
+    """1.0 if the response, stripped, equals the record's `field`."""
+
+    def reward(response: str, record: dict, **_) -> float:
+        return exact_match(response, _reference(record, field, "exact"))
+
+    reward.fields = (field,)
+    return reward
+
+
+def regex_reward(pattern: str, field: str = "answer"):
+    """The first match of `pattern` (its first group, if any) in the response equals the one in
+    the record's `field` (or the whole field, where the pattern does not match it)."""
+    score = regex_match(pattern)
+
+    def reward(response: str, record: dict, **_) -> float:
+        return score(response, _reference(record, field, "regex"))
+
+    reward.fields = (field,)
+    return reward
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+)", re.IGNORECASE)
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (braces matched), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+def extract_answer(text: str) -> str:
+    """A math answer: the last \\boxed{...}; else what follows GSM8K's '####'; else what follows
+    'the answer is'; else the last number; else the text."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    m = _ANSWER_IS.findall(text)
+    if m:
+        return m[-1].strip().rstrip(".")
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else text.strip()
+
+
+def reference_answer(text: str) -> str:
+    """A reference's answer: its last \\boxed{...} or what follows '####' (a worked solution),
+    else the whole reference."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    return text.rsplit("####", 1)[1].strip() if "####" in text else text.strip()
+
+
+def normalize_math(s: str) -> str:
+    """LaTeX and number formatting dropped: '$1,000.$' -> '1000', '\\frac{3}{4}' -> '3/4'."""
+    s = s.strip()
+    s = re.sub(r"\\text\{([^}]*)\}", r"\1", s)
+    s = re.sub(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
+    for junk in (
+        "$",
+        "\\!",
+        "\\,",
+        "\\;",
+        "\\(",
+        "\\)",
+        "\\left",
+        "\\right",
+        "^\\circ",
+        "^{\\circ}",
+        "\\%",
+        "%",
+    ):
+        s = s.replace(junk, "")
+    s = s.replace(" ", "").rstrip(".")
+    s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)  # thousands separators
+    s = re.sub(r"^\((-?[\d.]+)\)/\((-?[\d.]+)\)$", r"\1/\2", s)  # (3)/(4) -> 3/4
+    return s
+
+
+def _as_number(s: str):
+    from fractions import Fraction
+
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        pass
+    try:
+        return Fraction(float(s))
+    except (ValueError, OverflowError):
+        return None
+
+
+def math_equal(prediction: str, reference: str) -> bool:
+    """Equal as numbers (to 1e-6 relative: 0.333333 is 1/3, 0.33 is not), else equal as
+    normalised strings."""
+    a, b = normalize_math(prediction), normalize_math(reference)
+    x, y = _as_number(a), _as_number(b)
+    if x is not None and y is not None:
+        return x == y or abs(float(x) - float(y)) <= 1e-6 * max(1.0, abs(float(y)))
+    return a == b
+
+
+def math_reward(field: str = "answer"):
+    """1.0 if the response's final answer (`extract_answer`) equals the record's `field` (its own
+    final answer, for a worked GSM8K solution) as a number or a normalised expression."""
+
+    def reward(response: str, record: dict, **_) -> float:
+        return float(
+            math_equal(extract_answer(response), reference_answer(_reference(record, field, "math")))
+        )
+
+    reward.fields = (field,)
+    return reward
+
+
+DEFAULT_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
+
+
+def format_reward(pattern: str = DEFAULT_FORMAT):
+    """1.0 if the whole response (stripped) matches `pattern` (dot matches newlines); the default
+    is DeepSeek-R1's <think>...</think><answer>...</answer>."""
+    try:
+        rx = re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ConfigError(f"reward 'format': pattern {pattern!r} is not a regular expression: {e}") from None
+
+    def reward(response: str, record: dict, **_) -> float:
+        return float(rx.fullmatch(response.strip()) is not None)
+
+    reward.fields = ()
+    return reward
+
+
+def length_reward(max_tokens: int, buffer: int = 0):
+    """DAPO's overlong shaping: 0 up to max_tokens - buffer response tokens, then falling linearly
+    to -1 at max_tokens, -1 beyond (buffer 0: -1 beyond max_tokens, else 0)."""
+    if max_tokens < 1 or not 0 <= buffer <= max_tokens:
+        raise ConfigError(
+            f"reward 'length': need max_tokens >= 1 and 0 <= buffer <= max_tokens, got {max_tokens}, {buffer}"
+        )
+
+    def reward(response: str, record: dict, *, response_tokens: int, **_) -> float:
+        free = max_tokens - buffer
+        if response_tokens <= free:
+            return 0.0
+        if response_tokens > max_tokens or buffer == 0:
+            return -1.0
+        return -(response_tokens - free) / buffer
+
+    reward.fields = ()
+    return reward
+
+
+REGISTRY = {
+    "exact": exact_reward,
+    "regex": regex_reward,
+    "math": math_reward,
+    "format": format_reward,
+    "length": length_reward,
+}
+
+
+def load_reward_file(path: str | os.PathLike):
+    """The module of a user's reward file: run only because the user named it (config or command
+    line), never a path from the data."""
+    import importlib.util
+
+    p = Path(path)
+    if not p.is_file() or p.suffix != ".py":
+        raise ConfigError(f"rewards.file {path}: not a Python file (.py) that exists")
+    spec = importlib.util.spec_from_file_location(f"ladle_user_rewards_{abs(hash(str(p.resolve())))}", p)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ConfigError(f"rewards.file {path} failed to import: {type(e).__name__}: {e}") from e
+    return module
+
+
+class Rewards:
+    """The weighted sum of named reward terms, each logged as `reward_<key>` (its mean).
+
+    terms: dicts {name, weight (1.0), key (the name), and the reward's own options}; `name` is a
+    registered reward or a function of `file`.
+    """
+
+    def __init__(self, terms: list[dict], file: str | os.PathLike | None = None):
+        if not terms:
+            raise ConfigError("rewards.terms: name at least one reward")
+        module = load_reward_file(file) if file else None
+        self.terms: list[tuple[str, float, Callable]] = []
+        for i, term in enumerate(terms):
+            where = f"rewards.terms[{i}]"
+            term = dict(term)
+            name = term.pop("name", None)
+            weight = float(term.pop("weight", 1.0))
+            key = term.pop("key", name)
+            if not isinstance(name, str):
+                raise ConfigError(f"{where}: give the reward's `name`")
+            if key in (k for k, _, _ in self.terms):
+                raise ConfigError(f"{where}: a second reward logged as {key!r}; give one a `key` of its own")
+            self.terms.append((key, weight, self._build(name, term, module, file, where)))
+
+    @staticmethod
+    def _build(name: str, options: dict, module, file, where: str) -> Callable:
+        import inspect
+
+        if name in REGISTRY:
+            factory = REGISTRY[name]
+            params = inspect.signature(factory).parameters
+            unknown = sorted(set(options) - set(params))
+            if unknown:
+                raise ConfigError(
+                    f"{where} ({name}): unknown option {', '.join(map(repr, unknown))}; its options are "
+                    f"{', '.join(params) or 'none'} (and weight, key)"
+                )
+            missing = [
+                p for p, v in params.items() if v.default is inspect.Parameter.empty and p not in options
+            ]
+            if missing:
+                raise ConfigError(f"{where} ({name}): needs {', '.join(missing)}")
+            return factory(**options)
+        if module is None:
+            raise ConfigError(
+                f"{where}: unknown reward {name!r}; registered rewards are {', '.join(REGISTRY)}, or name a "
+                "function of your own file with rewards.file"
+            )
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+            raise ConfigError(
+                f"{where}: rewards.file {file} defines no function {name!r} (it defines: {', '.join(defined) or 'none'})"
+            )
+        if options:
+            raise ConfigError(
+                f"{where} ({name}): a function of rewards.file takes no options; got {sorted(options)}"
+            )
+        try:
+            inspect.signature(fn).bind("response", {}, prompt="", response_tokens=0)
+        except TypeError:
+            raise ConfigError(
+                f"{where}: {name} in {file} must accept (response, record, **context); see docs/rl.md"
+            ) from None
+        return fn
+
+    @property
+    def fields(self) -> set[str]:
+        """The record fields the registry's rewards read (checked on the data before launch)."""
+        return {f for _, _, fn in self.terms for f in getattr(fn, "fields", ())}
+
+    def __call__(self, response: str, record: dict, **context) -> tuple[float, dict[str, float]]:
+        """(the weighted total, each term's value by key) of one response."""
+        parts = {}
+        for key, _, fn in self.terms:
+            value = fn(response, record, **context)
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                value = math.nan
+            if not math.isfinite(value):
+                raise DataError(
+                    f"reward {key!r} returned {value!r} (a finite number expected) for the record {record!r:.200}"
+                )
+            parts[key] = value
+        return sum(w * parts[k] for k, w, _ in self.terms), parts

@@ -130,7 +130,7 @@ def test_prepare_reports_bad_records_by_line_and_counts_them(tokenizer_dir, tmp_
     assert bad["invalid JSON"] == [f"{src}:5"]
     assert bad["'messages' is not a list"] == [f"{src}:6"]
     assert bad["no trained tokens (all masked, or truncated away)"] == [f"{src}:7"]
-    assert "4 records skipped" in capsys.readouterr().err
+    assert "4 bad records skipped" in capsys.readouterr().err
     # --strict stops at the first one, with exit status 2 and nothing written
     out = tmp_path / "strict"
     argv = ["data", "prepare", "--task", "sft", "--input", str(src), "--tokenizer", str(tokenizer_dir)]

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,38 @@ def bad_reasons(meta: dict) -> str:
         f"{reason}: {count} (e.g. {meta['bad_examples'][reason][0]})"
         for reason, count in meta["bad_records"].items()
     )
+
+
+class BadRecords:
+    """The records a prepare skips: a count per reason with up to MAX_EXAMPLES `file:line` each,
+    for meta.json and the console. `strict`: the first one stops the prepare with exit 2."""
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+        self.counts: Counter[str] = Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    def __call__(self, source: str, reason: str) -> None:
+        if self.strict:
+            raise DataError(f"{source}: {reason} (strict mode stops at the first bad record)")
+        self.counts[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < MAX_EXAMPLES:
+            ex.append(source)
+
+    def meta(self) -> dict:
+        return {"bad_records": dict(self.counts), "bad_examples": self.examples}
+
+
+def bad_summary(meta: dict) -> str:
+    """The console lines of a meta.json's skipped records, most frequent first ('' if none)."""
+    counts = meta["bad_records"]
+    if not counts:
+        return ""
+    lines = [f"{sum(counts.values()):,} bad records skipped:"]
+    for reason, count in sorted(counts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {reason}: {count:,} (e.g. {', '.join(meta['bad_examples'][reason])})")
+    return "\n".join(lines)
 
 
 def in_val(seed: int, ordinal: int, fraction: float) -> bool:

@@ -3,11 +3,13 @@
 Per split: documents, tokens, shards, and a histogram of document lengths in log2 buckets. For the train
 split: the unigram entropy of its tokens in nats per token (how much a model that ignores context
 would pay; a sanity check that the data is not degenerate), and decoded samples when a tokenizer is at
-hand; for preference data, the pairs per split and decoded pairs (prompt, chosen, rejected).
+hand; for preference data, the pairs per split and decoded pairs (prompt, chosen, rejected); for
+prompts (the RL recipes'), the prompts per split, decoded, with their records' other fields.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -56,6 +58,11 @@ def inspect_data(
         if tok is not None:
             report["samples"] = pair_samples(path, tok, samples)
         return report
+    if meta and meta.get("task") == "prompts":
+        report["prompts"] = {name: meta["splits"][name]["prompts"] for name in report["splits"]}
+        if tok is not None:
+            report["samples"] = prompt_samples(path, tok, samples)
+        return report
     if tok is not None:
         for i in range(min(samples, train.num_documents)):
             start, length = int(train.doc_starts[i]), int(train.doc_lengths[i])
@@ -84,6 +91,27 @@ def pair_samples(path: Path, tok: Tokenizer, n: int) -> list[dict]:
                 "prompt": tok.decode(c_ids[:start], False)[-SAMPLE_CHARS:],  # special tokens shown
                 "chosen": tok.decode(c_ids[c_mask], False)[:SAMPLE_CHARS],
                 "rejected": tok.decode(r_ids[r_mask], False)[:SAMPLE_CHARS],
+            }
+        )
+    return out
+
+
+def prompt_samples(path: Path, tok: Tokenizer, n: int) -> list[dict]:
+    """The first `n` train prompts decoded (their ends: what the model answers) and the other
+    fields of their records."""
+    from ladle.data.prompts import PromptSplit
+
+    prompts = PromptSplit(path, "train")
+    out = []
+    for i in range(min(n, len(prompts))):
+        ids, record = prompts.get(i)
+        fields = {k: v for k, v in record.items() if k != "prompt"}
+        out.append(
+            {
+                "prompt_index": i,
+                "tokens": len(ids),
+                "text": tok.decode(ids, False)[-SAMPLE_CHARS:],  # special tokens shown
+                "fields": json.dumps(fields, ensure_ascii=False)[:SAMPLE_CHARS],
             }
         )
     return out
@@ -162,8 +190,15 @@ def format_inspect(report: dict) -> str:
             lines.append(f"    {reason}: {count:,} (e.g. {', '.join(meta['bad_examples'][reason][:2])})")
     if "pairs" in report:
         lines.append("  preference pairs: " + ", ".join(f"{k} {v:,}" for k, v in report["pairs"].items()))
+    if "prompts" in report:
+        lines.append("  prompts: " + ", ".join(f"{k} {v:,}" for k, v in report["prompts"].items()))
     for sample in report["samples"]:
-        if "pair" in sample:
+        if "prompt_index" in sample:
+            lines.append(
+                f"  prompt {sample['prompt_index']} ({sample['tokens']:,} tokens): ...{sample['text']!r}"
+            )
+            lines.append(f"    fields: {sample['fields']}")
+        elif "pair" in sample:
             c, r = sample["tokens"]
             lines.append(f"  pair {sample['pair']} ({c:,} / {r:,} tokens): prompt ...{sample['prompt']!r}")
             lines.append(f"    chosen:   {sample['chosen']!r}")

@@ -36,11 +36,12 @@ import numpy as np
 
 from ladle.data.folder import (
     FORMAT,
-    MAX_EXAMPLES,
     VERSION,
+    BadRecords,
     FolderWriter,
     SplitWriter,
     bad_reasons,
+    bad_summary,
     in_val,
     tokenizer_fields,
 )
@@ -210,18 +211,9 @@ def _encode_into(
 ):
     tokens = {s: SplitWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
     masks = {s: SplitWriter(folder, f"{s}_mask", np.uint8, shard_tokens) for s in ("train", "val")}
-    bad: Counter[str] = Counter()
-    examples: dict[str, list[str]] = {}
+    skip = BadRecords(strict)
     counts: Counter[str] = Counter()
     shapes: Counter[str] = Counter()
-
-    def skip(source: str, reason: str) -> None:
-        if strict:
-            raise DataError(f"{source}: {reason} (strict mode stops at the first bad record)")
-        bad[reason] += 1
-        ex = examples.setdefault(reason, [])
-        if len(ex) < MAX_EXAMPLES:
-            ex.append(source)
 
     try:
         for ordinal, (source, obj, reason) in enumerate(rows, start=1):
@@ -265,8 +257,7 @@ def _encode_into(
         "record_shapes": dict(shapes),
         "truncated": counts["truncated"],
         "dropped_overlong": counts["dropped_overlong"],
-        "bad_records": dict(bad),
-        "bad_examples": examples,
+        **skip.meta(),
     }
 
 
@@ -280,10 +271,8 @@ def _print_summary(meta: dict, out: Path, seconds: float) -> None:
         f"in {seconds:.1f}s -> {out}",
         file=sys.stderr,
     )
-    if meta["bad_records"]:
-        print(f"{sum(meta['bad_records'].values())} records skipped:", file=sys.stderr)
-        for reason, count in meta["bad_records"].items():
-            print(f"  {reason}: {count} (e.g. {', '.join(meta['bad_examples'][reason])})", file=sys.stderr)
+    if summary := bad_summary(meta):
+        print(summary, file=sys.stderr)
 
 
 class PreferenceSplit:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
@@ -29,12 +29,13 @@ import numpy as np
 
 from ladle.data.folder import (
     FORMAT,
-    MAX_EXAMPLES,
     SPLITS,
     VERSION,
+    BadRecords,
     FolderWriter,
     SplitWriter,
     bad_reasons,
+    bad_summary,
     in_val,
     load_meta,
     tokenizer_fields,
@@ -147,8 +148,7 @@ def _tokenize_into(
     progress: bool,
 ) -> dict:
     splits = {name: SplitWriter(folder, name, dtype, shard_tokens) for name in SPLITS}
-    bad_counts: Counter[str] = Counter()
-    bad_examples: dict[str, list[str]] = {}
+    skip = BadRecords(strict)
     ordinal = 0
     start = time.perf_counter()
     bar = _ProgressBar(progress)
@@ -160,13 +160,7 @@ def _tokenize_into(
                 for n in lengths.tolist():
                     ordinal += 1
                     if n == 0:  # a bad record: no tokens
-                        source, reason = next(bad_iter)
-                        if strict:
-                            raise DataError(f"{source}: {reason} (strict mode stops at the first bad record)")
-                        bad_counts[reason] += 1
-                        examples = bad_examples.setdefault(reason, [])
-                        if len(examples) < MAX_EXAMPLES:
-                            examples.append(source)
+                        skip(*next(bad_iter))
                         continue
                     split = "val" if val_fraction and in_val(seed, ordinal, val_fraction) else "train"
                     splits[split].add(flat[offset : offset + n])
@@ -181,8 +175,8 @@ def _tokenize_into(
         raise
     return {
         "splits": {name: s.summary() for name, s in splits.items()},
-        "bad_counts": bad_counts,
-        "bad_examples": bad_examples,
+        "bad_counts": skip.counts,
+        "bad_examples": skip.examples,
         "seconds": time.perf_counter() - start,
     }
 
@@ -298,16 +292,6 @@ class _ProgressBar:
             self._progress.update(self._task, completed=docs, tokens=tokens, rates=rates)
 
 
-def _bad_summary(meta: dict) -> str:
-    counts = meta["bad_records"]
-    if not counts:
-        return ""
-    lines = [f"{sum(counts.values()):,} bad records skipped:"]
-    for reason, count in sorted(counts.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {reason}: {count:,} (e.g. {', '.join(meta['bad_examples'][reason])})")
-    return "\n".join(lines)
-
-
 def _print_summary(meta: dict, out: Path, seconds: float) -> None:
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     docs, tokens = train["documents"] + val["documents"], train["tokens"] + val["tokens"]
@@ -318,7 +302,7 @@ def _print_summary(meta: dict, out: Path, seconds: float) -> None:
         f"{rate} -> {out}",
         file=sys.stderr,
     )
-    if summary := _bad_summary(meta):
+    if summary := bad_summary(meta):
         print(summary, file=sys.stderr)
 
 

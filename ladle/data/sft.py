@@ -35,11 +35,12 @@ import numpy as np
 from ladle.data.chat import BUILTIN, MARKERS, ChatTemplate
 from ladle.data.folder import (
     FORMAT,
-    MAX_EXAMPLES,
     VERSION,
+    BadRecords,
     FolderWriter,
     SplitWriter,
     bad_reasons,
+    bad_summary,
     in_val,
     load_meta,
     tokenizer_fields,
@@ -292,19 +293,10 @@ def _encode_into(
 ):
     tokens = {s: SplitWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
     masks = {s: SplitWriter(folder, f"{s}_mask", np.uint8, shard_tokens) for s in ("train", "val")}
-    bad: Counter[str] = Counter()
-    examples: dict[str, list[str]] = {}
+    skip = BadRecords(strict)
     counts = Counter()
     ordinal = 0
     detected = None if fmt == "auto" else fmt
-
-    def skip(source: str, reason: str) -> None:
-        if strict:
-            raise DataError(f"{source}: {reason} (strict mode stops at the first bad record)")
-        bad[reason] += 1
-        ex = examples.setdefault(reason, [])
-        if len(ex) < MAX_EXAMPLES:
-            ex.append(source)
 
     try:
         for source, obj, reason in rows:
@@ -350,8 +342,7 @@ def _encode_into(
         "truncated": counts["truncated"],
         "dropped_overlong": counts["dropped_overlong"],
         "no_trained_tokens": counts["no_trained_tokens"],
-        "bad_records": dict(bad),
-        "bad_examples": examples,
+        **skip.meta(),
     }
 
 
@@ -367,11 +358,8 @@ def _print_summary(meta: dict, out: Path, seconds: float) -> None:
         f"tokens, in {seconds:.1f}s -> {out}",
         file=sys.stderr,
     )
-    if meta["bad_records"]:
-        n = sum(meta["bad_records"].values())
-        print(f"{n} records skipped:", file=sys.stderr)
-        for reason, count in meta["bad_records"].items():
-            print(f"  {reason}: {count} (e.g. {', '.join(meta['bad_examples'][reason])})", file=sys.stderr)
+    if summary := bad_summary(meta):
+        print(summary, file=sys.stderr)
 
 
 class SFTSplit:

@@ -1,0 +1,231 @@
+"""`ladle data prepare --task prompts`: the prompts of the reinforcement-learning recipes (GRPO,
+PPO), which generate the responses themselves.
+
+A record is a jsonl line or Parquet row with a `prompt`, a string (one user message) or a message
+list ending with a user (or tool) message, and any other fields (`answer`, `solution`, `tests`,
+...), which the rewards read. The prompt is rendered with the chat template and its generation
+prompt and tokenized; the record itself is kept verbatim, one JSON line per prompt in order:
+
+    OUT/meta.json              "task": "prompts", tokenizer, splits, bad records
+    OUT/train_00000.bin/.idx   the prompts' token ids (ladle/data/indexed.py)
+    OUT/train_records.jsonl    the records, line i for prompt i
+
+Bad records are skipped, counted and named with file and line, like SFT's: invalid JSON, no
+`prompt`, a prompt that is neither a string nor messages (or whose roles do not alternate), a
+prompt longer than `--max-prompt-len` tokens (never truncated: a cut prompt asks another
+question). `--strict` stops at the first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ladle.data.folder import (
+    FORMAT,
+    VERSION,
+    BadRecords,
+    FolderWriter,
+    SplitWriter,
+    bad_reasons,
+    bad_summary,
+    in_val,
+    load_meta,
+    tokenizer_fields,
+)
+from ladle.data.indexed import IndexedDataset, dtype_for_vocab
+from ladle.data.sft import BadRecord, ChatEncoder, check_roles
+from ladle.data.sources import iter_files, iter_rows, no_files_message
+from ladle.errors import DataError
+from ladle.tokenizer import load_tokenizer
+
+TASK = "prompts"
+SPLITS = ("train", "val")
+
+
+def to_prompt(obj: dict) -> tuple[list[dict], str]:
+    """(the prompt's messages, the record's shape: string or messages), or BadRecord."""
+    if "prompt" not in obj:
+        raise BadRecord("missing field 'prompt'")
+    prompt = obj["prompt"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise BadRecord("empty prompt")
+        return [{"role": "user", "content": prompt}], "string"
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRecord("'prompt' must be a string or a non-empty message list")
+    messages = []
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRecord(f"message {i} of 'prompt' has no 'role'")
+        messages.append({"role": m["role"], "content": m.get("content")})
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise BadRecord(
+            f"the prompt ends with a {messages[-1]['role']!r} message; it must end with the user's"
+        )
+    # the roles' order, checked as a chat that the assistant answers next
+    check_roles([*messages, {"role": "assistant", "content": ""}])
+    return messages, "messages"
+
+
+def prepare_prompts(
+    inputs: Sequence[str | os.PathLike],
+    *,
+    tokenizer: str | os.PathLike,
+    output: str | os.PathLike,
+    template: str | None = None,
+    max_prompt_len: int = 1024,
+    glob: str | None = None,
+    exclude: list[str] | None = None,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+    strict: bool = False,
+    shard_tokens: int = 2**28,
+    progress: bool = True,
+) -> dict:
+    """Tokenize the prompts of `inputs` into the folder `output` (written beside it and renamed
+    into place when complete); return its meta.json."""
+    if isinstance(inputs, str | os.PathLike):
+        inputs = [inputs]
+    inputs = [str(i) for i in inputs]
+    if max_prompt_len < 1:
+        raise DataError(f"--max-prompt-len must be at least 1, got {max_prompt_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    tok = load_tokenizer(tokenizer)
+    encoder = ChatEncoder(tok, template)
+    out = FolderWriter(output)
+    if next(iter_files(inputs, glob, exclude, skip=out.skip), None) is None:
+        raise DataError(no_files_message(inputs, glob, exclude))
+    dtype = dtype_for_vocab(tok.vocab_size)
+    t0 = time.perf_counter()
+    with out:
+        rows = iter_rows(inputs, glob=glob, exclude=exclude, skip=out.skip)
+        stats = _encode_into(
+            out.tmp, rows, encoder, dtype, max_prompt_len, val_fraction, seed, strict, shard_tokens
+        )
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "task": TASK,
+            **tokenizer_fields(tok),
+            "dtype": np.dtype(dtype).name,
+            "template": encoder.template_name,
+            "max_prompt_len": max_prompt_len,
+            **stats,
+            "inputs": [str(Path(i).resolve()) for i in inputs],
+            "seed": seed,
+            "val_fraction": val_fraction,
+        }
+        if not meta["splits"]["train"]["prompts"]:
+            reasons = bad_reasons(meta)
+            raise DataError(
+                f"no usable prompts in {', '.join(inputs)}: {reasons or 'the files hold no records'}"
+            )
+        out.commit(meta)
+    if progress:
+        _print_summary(meta, out.out, time.perf_counter() - t0)
+    return meta
+
+
+def _encode_into(
+    folder: Path, rows, encoder: ChatEncoder, dtype, max_prompt_len, val_fraction, seed, strict, shard_tokens
+):
+    tokens = {s: SplitWriter(folder, s, dtype, shard_tokens) for s in SPLITS}
+    records = {s: (folder / f"{s}_records.jsonl").open("w", encoding="utf-8") for s in SPLITS}
+    skip = BadRecords(strict)
+    shapes: Counter[str] = Counter()
+
+    try:
+        for ordinal, (source, obj, reason) in enumerate(rows, start=1):
+            if reason is not None:
+                skip(source, reason)
+                continue
+            try:
+                messages, shape = to_prompt(obj)
+                ids = encoder.tok.encode(encoder.render(messages, add_generation_prompt=True))
+                if len(ids) > max_prompt_len:
+                    raise BadRecord(f"prompt longer than --max-prompt-len {max_prompt_len} tokens")
+                line = json.dumps(obj, ensure_ascii=False)
+            except BadRecord as e:
+                skip(source, str(e))
+                continue
+            except (TypeError, ValueError) as e:  # a Parquet value JSON cannot hold
+                skip(source, f"a field cannot be kept as JSON ({e})")
+                continue
+            shapes[shape] += 1
+            split = "val" if val_fraction and in_val(seed, ordinal, val_fraction) else "train"
+            tokens[split].add(np.asarray(ids, dtype=dtype))
+            records[split].write(line + "\n")
+        for w in tokens.values():
+            w.close()
+    except BaseException:
+        for w in tokens.values():
+            w.abort()
+        raise
+    finally:
+        for f in records.values():
+            f.close()
+    splits = {
+        s: {**w.summary(), "prompts": w.documents, "records": f"{s}_records.jsonl"} for s, w in tokens.items()
+    }
+    return {
+        "splits": splits,
+        "record_shapes": dict(shapes),
+        **skip.meta(),
+    }
+
+
+def _print_summary(meta: dict, out: Path, seconds: float) -> None:
+    tr, va = meta["splits"]["train"], meta["splits"]["val"]
+    shapes = ", ".join(f"{k} {v:,}" for k, v in meta["record_shapes"].items())
+    print(
+        f"prepared {tr['prompts'] + va['prompts']:,} prompts ({shapes}; template {meta['template']}): "
+        f"train {tr['prompts']:,} / {tr['tokens']:,} tokens, val {va['prompts']:,} / {va['tokens']:,} tokens, "
+        f"in {seconds:.1f}s -> {out}",
+        file=sys.stderr,
+    )
+    if summary := bad_summary(meta):
+        print(summary, file=sys.stderr)
+
+
+class PromptSplit:
+    """The prompts of one split of a prepared prompts folder: `get(i)` -> (prompt ids, the record)."""
+
+    def __init__(self, data_dir: str | os.PathLike, split: str = "train"):
+        meta = load_meta(data_dir)
+        if meta.get("task") != TASK:
+            raise DataError(
+                f"{data_dir} holds {meta.get('task', 'pretrain')} data, not prompts; prepare it with "
+                "`ladle data prepare --task prompts`"
+            )
+        info = meta["splits"][split]
+        root = Path(data_dir)
+        self.tokens = [IndexedDataset(root / s) for s in info["shards"]]
+        self._index = [(k, j) for k, d in enumerate(self.tokens) for j in range(len(d))]
+        self.lengths = np.concatenate([d.sequence_lengths for d in self.tokens] or [[]]).astype(np.int64)
+        path = root / info["records"]
+        try:
+            with path.open(encoding="utf-8") as f:
+                self.records = [json.loads(line) for line in f]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{path}: unreadable ({e}); prepare the prompts again") from None
+        if len(self.records) != len(self._index):
+            raise DataError(
+                f"{path} holds {len(self.records)} records for {len(self._index)} prompts; prepare again"
+            )
+        self.meta = meta
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get(self, i: int) -> tuple[np.ndarray, dict]:
+        k, j = self._index[i]
+        return self.tokens[k][j].astype(np.int64), self.records[i]
