@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -40,12 +41,32 @@ def sample_next(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next token ids (B,) from last-position logits (B, V): argmax when temperature == 0."""
+    """Next token ids (B,) from last-position logits (B, V): argmax when temperature == 0.
+    `uniforms` (B,) in [0, 1): each row's token is the inverse of its cumulative distribution at
+    its own uniform, so a row's draw depends on its stream alone, not on the batch's other rows."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = filter_logits(logits.float() / temperature, top_k, top_p)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)  # (B,)
+    probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
+    if uniforms is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+    cdf = probs.double().cumsum(-1)
+    # right=True: the first token whose cumulative mass exceeds u, never a token of mass 0; u
+    # rounding up to the total mass (~1e-16) takes the likeliest token
+    at = (uniforms.to(cdf.device, cdf.dtype) * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, at, right=True).squeeze(-1)
+    return torch.where(idx < probs.shape[-1], idx, probs.argmax(-1))
+
+
+@dataclass
+class Sampled:
+    """What `sample` drew per prompt: the new tokens, the log-prob of each under softmax(logits / T)
+    (T = 1 when greedy), and whether the row ended by an end token or `stop` (not the cap)."""
+
+    tokens: list[list[int]]
+    logps: list[list[float]]
+    finished: list[bool]
 
 
 @torch.inference_mode()
@@ -63,8 +84,46 @@ def generate(
     stop: Callable[[list[int]], bool] | None = None,
     prepack: bool = True,
 ) -> list[list[int]]:
-    """The new tokens for each prompt (up to and including eos_id, when given). `stop(new_tokens)`,
-    called after each token of a row, ends that row when true (see `stop_strings`).
+    """The new tokens for each prompt (up to and including eos_id, when given); see `sample`."""
+    return sample(
+        model,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        end_ids=set() if eos_id is None else {eos_id},
+        pad_id=pad_id,
+        generator=generator,
+        stop=stop,
+        prepack=prepack,
+        logps=False,
+    ).tokens
+
+
+@torch.no_grad()  # not inference_mode: FSDP2 gathers into its parameters' buffers in place
+def sample(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    end_ids: set[int] = frozenset(),
+    pad_id: int = 0,
+    generator: torch.Generator | None = None,
+    row_generators: list[torch.Generator] | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
+    prepack: bool = True,
+    logps: bool = True,
+    sync: Callable[[bool], bool] | None = None,
+) -> Sampled:
+    """New tokens for each prompt, each row up to and including a token of `end_ids`.
+    `stop(new_tokens)`, called after each token of a row, ends that row when true (see
+    `stop_strings`). `row_generators`: one CPU generator per row, each drawing that row's uniform
+    per token (`sample_next`), instead of one `generator` for the batch. `sync(all rows done
+    here)` -> whether to stop: the caller's agreement across ranks that each run the same passes.
 
     `model` is a ladle Llama (anything with `new_cache` and `forward(tokens, positions, doc_ids,
     cache, logits_to_keep)`). The whole batch is prefilled in one forward pass, then one token per
@@ -75,10 +134,14 @@ def generate(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt needs at least one token")
+    if row_generators is not None and len(row_generators) != len(prompts):
+        raise ValueError("one row generator per prompt")
     B, P = len(prompts), max(len(p) for p in prompts)
     out: list[list[int]] = [[] for _ in range(B)]
+    lps: list[list[float]] = [[] for _ in range(B)]
+    done = [False] * B
     if max_new_tokens <= 0:
-        return out
+        return Sampled(out, lps, done)
     device = next(model.parameters()).device
 
     tokens = torch.full((B, P), pad_id, dtype=torch.long)
@@ -90,23 +153,32 @@ def generate(
     positions = (doc_ids.cumsum(1) - 1).clamp(min=0)  # (B, P): 0 at each prompt's first real token
 
     cache = model.new_cache(B, P + max_new_tokens, device=device)
+    scale = temperature if temperature > 0 else 1.0
     with prepacked(model, batch=B) if prepack else contextlib.nullcontext():
         logits = model(tokens, positions=positions, doc_ids=doc_ids, cache=cache, logits_to_keep=1)[:, -1]
         pos = positions[:, -1:] + 1  # (B, 1)
         ones = torch.ones((B, 1), dtype=torch.long, device=device)
-        done = [False] * B
         for step in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
+            u = None
+            if row_generators is not None and temperature > 0:
+                u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in row_generators])
+            nxt = sample_next(logits, temperature, top_k, top_p, generator, u)  # (B,)
+            lp = None
+            if logps:
+                lp = torch.log_softmax(logits.float() / scale, -1).gather(1, nxt[:, None])[:, 0].tolist()
             for i, t in enumerate(nxt.tolist()):
                 if not done[i]:
                     out[i].append(t)
-                    done[i] = (eos_id is not None and t == eos_id) or (stop is not None and stop(out[i]))
-            if all(done) or step == max_new_tokens - 1:
+                    if lp is not None:
+                        lps[i].append(lp[i])
+                    done[i] = t in end_ids or (stop is not None and stop(out[i]))
+            finished = all(done) if sync is None else sync(all(done))
+            if finished or step == max_new_tokens - 1:
                 break
             # Finished rows keep decoding (their tokens are dropped): simpler than shrinking the batch.
             logits = model(nxt[:, None], positions=pos, doc_ids=ones, cache=cache)[:, -1]
             pos = pos + 1
-    return out
+    return Sampled(out, lps, done)
 
 
 def stop_strings(decode: Callable[[list[int]], str], strings: list[str]) -> Callable[[list[int]], bool]:

@@ -1,0 +1,182 @@
+"""Rollouts for the RL recipes: responses sampled from the policy's current weights, inside the
+training processes, with the model as it is laid out for training.
+
+A response is a function of (seed, step, prompt index, sample index), not of the layout or the
+batch it was sampled in: each row draws its uniforms from its own generator, seeded from that key,
+and picks its token by the inverse of the cumulative distribution (`ladle.generation.sample`). So
+1 process and 2 FSDP ranks, or any split into batches, sample the same responses, and runs can
+be compared exactly as for pretraining (up to the rounding of logits across batch shapes, which
+decides a token only when a uniform falls within it of a boundary).
+
+Each response keeps the log-probs it was sampled with (`sample_logps`, of softmax(logits / T));
+the ratio uses those of the training forward (`response_logps`), and the largest difference of
+the two is `rollout_logprob_diff` (fp32: ~0; a backend that computes differently shows it).
+Under FSDP every rank runs forward passes until all ranks are done (`sync`), since each pass
+gathers the weights layer by layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from ladle import distributed as dist
+from ladle.generation import sample, stop_strings
+from ladle.train.loss import IGNORE_INDEX, token_logps
+
+
+def row_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """The generator seed of one response: a hash of its key (63 bits)."""
+    digest = hashlib.blake2b(f"rollout:{seed}:{step}:{prompt_index}:{sample_index}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+@dataclass
+class Rollouts:
+    """Sampled responses, one row per (prompt, sample); lists in row order."""
+
+    prompt_index: list[int] = field(default_factory=list)
+    sample_index: list[int] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    response_ids: list[list[int]] = field(default_factory=list)
+    sample_logps: list[list[float]] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)  # ended by EOS or a stop string, not the cap
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def extend(self, other: Rollouts) -> None:
+        for name in self.__dataclass_fields__:
+            getattr(self, name).extend(getattr(other, name))
+
+
+@dataclass
+class Sampling:
+    """How responses are sampled (the RL recipes' config): `n` per prompt, temperature, top-p,
+    top-k, stop strings and the response-length cap."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+
+def rollout(
+    model,
+    prompts: list[list[int]],
+    prompt_index: list[int],
+    sampling: Sampling,
+    *,
+    seed: int,
+    step: int,
+    end_ids: set[int],
+    decode=None,
+    pad_id: int = 0,
+    batch_size: int = 16,
+) -> Rollouts:
+    """`sampling.n` responses to each prompt (token ids; `prompt_index` their global indices, the
+    key of their random streams), sampled in batches of `batch_size` rows. A response ends at a
+    token of `end_ids` (kept) or a stop string (`decode` needed; the text up to it is the
+    caller's to cut) or at the cap."""
+    if len(prompts) != len(prompt_index):
+        raise ValueError("one prompt index per prompt")
+    rows = [(p, i, s) for p, i in zip(prompts, prompt_index, strict=True) for s in range(sampling.n)]
+    stop = stop_strings(decode, list(sampling.stop)) if sampling.stop else None
+    out = Rollouts()
+    # Every rank runs as many batches (FSDP: a forward pass is a collective); a rank with fewer
+    # rows runs its last batch again on a copy of its first row and drops the result.
+    batches = -(-len(rows) // batch_size)
+    if dist.world_size() > 1:
+        device = next(model.parameters()).device
+        batches = int(dist.all_reduce_max(torch.tensor([batches], device=device)).item())
+    model_was_training = model.training
+    model.eval()
+    try:
+        for b in range(batches):
+            chunk = rows[b * batch_size : (b + 1) * batch_size] or rows[:1] or [([pad_id], -1, 0)]
+            real = b * batch_size < len(rows)
+            gens = [torch.Generator().manual_seed(row_seed(seed, step, i, s)) for _, i, s in chunk]
+            got = sample(
+                model,
+                [p for p, _, _ in chunk],
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                end_ids=end_ids,
+                pad_id=pad_id,
+                row_generators=gens,
+                stop=stop,
+                prepack=dist.world_size() == 1,
+                sync=(lambda done: not dist.any_rank(not done, device)) if dist.world_size() > 1 else None,
+            )
+            if not real:
+                continue
+            for (p, i, s), ids, lps, fin in zip(chunk, got.tokens, got.logps, got.finished, strict=True):
+                out.prompt_index.append(i)
+                out.sample_index.append(s)
+                out.prompt_ids.append(list(p))
+                out.response_ids.append(ids)
+                out.sample_logps.append(lps)
+                out.finished.append(fin)
+    finally:
+        model.train(model_was_training)
+    return out
+
+
+def sequences(rollouts: Rollouts, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """The rows as a training batch: `tokens` (R, T) prompt + response, right-padded; `targets`
+    the response tokens at the positions that predict them (IGNORE_INDEX elsewhere)."""
+    lengths = [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
+    T = max(lengths)
+    tokens = torch.full((len(lengths), T), pad_id, dtype=torch.long)
+    targets = torch.full((len(lengths), T), IGNORE_INDEX, dtype=torch.long)
+    for k, (p, r) in enumerate(zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)):
+        seq = torch.tensor(p + r, dtype=torch.long)
+        tokens[k, : len(seq)] = seq
+        targets[k, len(p) - 1 : len(seq) - 1] = seq[len(p) :]
+    return {"tokens": tokens, "targets": targets}
+
+
+def response_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T) of each response token under `model` (the training forward):
+    (R, T) fp32, 0 off the responses. Greedy sampling (T = 0) is scored at T = 1."""
+    logits = model(batch["tokens"])
+    if temperature not in (0, 1):
+        logits = logits / temperature
+    return token_logps(logits, batch["targets"])
+
+
+def logprob_diff(rollouts: Rollouts, logps: torch.Tensor, batch: dict) -> float:
+    """The largest |training - sampling| log-prob over all response tokens (`rollout_logprob_diff`)."""
+    worst = 0.0
+    logps = logps.detach()
+    mask = batch["targets"] != IGNORE_INDEX
+    for k, lps in enumerate(rollouts.sample_logps):
+        if lps:
+            train = logps[k][mask[k]]
+            worst = max(worst, float((train - torch.tensor(lps, dtype=train.dtype)).abs().max()))
+    return worst
+
+
+def balance(costs: list[int], ranks: int) -> list[list[int]]:
+    """Rows spread over `ranks` so the summed costs (e.g. padded tokens) are even: the longest
+    first, each to the least loaded rank (LPT; within 4/3 of the best). Returns each rank's row
+    indices, in ascending order."""
+    load = [0] * ranks
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        out[r].append(k)
+        load[r] += costs[k]
+    return [sorted(x) for x in out]
+
+
+def imbalance(loads: list[float]) -> float:
+    """max / mean of the ranks' loads (`rollout_imbalance`; 1.0 = even)."""
+    mean = sum(loads) / max(len(loads), 1)
+    return max(loads) / mean if mean else 1.0
