@@ -37,4 +37,5 @@ merged = {k: v for part in rows for k, v in part.items()}
 want = {(i, s): r for i, s, r in zip(one.prompt_index, one.sample_index, one.response_ids, strict=True)}
 assert merged == want, (merged, want)
 print(f"rank {rank}: FSDP rollouts equal one process's ({len(want)} responses)", file=sys.stdout)
+dist.barrier()  # gloo aborts a rank that tears down while its peer still talks to it
 dist.destroy_process_group()

@@ -130,7 +130,7 @@ def rollout(
 
 def sequences(rollouts: Rollouts, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """The rows as a training batch: `tokens` (R, T) prompt + response, right-padded; `targets`
-    the response tokens at the positions that predict them (IGNORE_INDEX elsewhere)."""
+    the response tokens at the positions that predict them (IGNORE_INDEX elsewhere); `lengths`."""
     lengths = [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
     T = max(lengths)
     tokens = torch.full((len(lengths), T), pad_id, dtype=torch.long)
@@ -139,7 +139,7 @@ def sequences(rollouts: Rollouts, pad_id: int = 0) -> dict[str, torch.Tensor]:
         seq = torch.tensor(p + r, dtype=torch.long)
         tokens[k, : len(seq)] = seq
         targets[k, len(p) - 1 : len(seq) - 1] = seq[len(p) :]
-    return {"tokens": tokens, "targets": targets}
+    return {"tokens": tokens, "targets": targets, "lengths": torch.tensor(lengths)}
 
 
 def response_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:

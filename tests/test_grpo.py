@@ -1,0 +1,197 @@
+"""GRPO's mathematics: advantages and KL estimators against their formulas written out here, the
+clipped loss and its aggregations against trl's GRPO loss on the same tensors, and the loss
+object on a model's rollouts."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ladle.train.grpo import PolicyLoss, advantages, aggregate, kl_penalty, policy_loss
+
+REWARDS = [1.0, 0.0, 0.0, 1.0, 0.5, 1.0, 1.0, 1.0, 0.0, 0.25, 0.75, 0.0]  # 3 prompts x 4 samples
+
+
+def groups(g=4):
+    return [REWARDS[i : i + g] for i in range(0, len(REWARDS), g)]
+
+
+def test_grpo_and_rloo_advantages_by_hand():
+    r = torch.tensor(REWARDS)
+    want = []
+    for grp in groups():
+        m, s = statistics.fmean(grp), statistics.stdev(grp)
+        want += [(x - m) / (s + 1e-4) for x in grp]
+    assert advantages(r, 4).tolist() == pytest.approx(want, abs=1e-6)
+    # a group whose rewards are all equal has advantage 0 (no signal), not a division by 0
+    same = advantages(torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]), 4)
+    assert same[:4].abs().max() == 0 and same[4:].abs().min() > 0.5
+    s_all = statistics.stdev(REWARDS)
+    want = [(x - statistics.fmean(g)) / (s_all + 1e-4) for g in groups() for x in g]
+    assert advantages(r, 4, scale="batch").tolist() == pytest.approx(want, abs=1e-6)
+    want = [x - statistics.fmean(g) for g in groups() for x in g]
+    assert advantages(r, 4, scale="none").tolist() == pytest.approx(want, abs=1e-6)
+    # RLOO: each sample against the mean of the *other* samples of its prompt
+    want = [g[i] - statistics.fmean(g[:i] + g[i + 1 :]) for g in groups() for i in range(4)]
+    assert advantages(r, 4, "rloo", scale="none").tolist() == pytest.approx(want, abs=1e-6)
+    # REINFORCE++ with baseline: group mean subtracted, then whitened over the batch
+    centred = [x - statistics.fmean(g) for g in groups() for x in g]
+    m, s = statistics.fmean(centred), statistics.stdev(centred)
+    want = [(x - m) / (s + 1e-4) for x in centred]
+    assert advantages(r, 4, "reinforce_pp").tolist() == pytest.approx(want, abs=1e-6)
+    with pytest.raises(ValueError, match="rloo needs at least 2"):
+        advantages(r, 1, "rloo")
+    with pytest.raises(ValueError, match="advantage 'ppo': choose one of grpo, rloo, reinforce_pp"):
+        advantages(r, 4, "ppo")
+
+
+def test_kl_estimators_by_formula():
+    logp = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    ref = torch.tensor([-1.5, -2.0, -0.1, -1.0])
+    d = [a - b for a, b in zip(logp.tolist(), ref.tolist(), strict=True)]
+    assert kl_penalty(logp, ref, "k1").tolist() == pytest.approx(d)
+    assert kl_penalty(logp, ref, "k2").tolist() == pytest.approx([x * x / 2 for x in d])
+    assert kl_penalty(logp, ref, "k3").tolist() == pytest.approx([math.exp(-x) - 1 + x for x in d])
+    assert (kl_penalty(logp, ref, "k3") >= 0).all() and kl_penalty(logp, logp, "k3").abs().max() == 0
+    # unbiased: under the policy, E[k1] = E[k3] = KL(p || q), by enumeration of a small distribution
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.5, 0.3])
+    kl = float((p * (p / q).log()).sum())
+    for est in ("k1", "k3"):
+        assert float((p * kl_penalty(p.log(), q.log(), est)).sum()) == pytest.approx(kl, rel=1e-6)
+
+
+# -- against trl ------------------------------------------------------------------------------
+def trl_loss(logp, old, ref, adv, mask, *, loss_type, level, beta, eps_low, eps_high, max_len):
+    from trl import GRPOTrainer
+
+    t = object.__new__(GRPOTrainer)
+    t.model = SimpleNamespace(training=True)
+    t.accelerator = SimpleNamespace(
+        gather=lambda x: x,
+        gather_for_metrics=lambda x: x,
+        reduce=lambda x, reduction="sum": x,
+        num_processes=1,
+        sync_gradients=True,
+    )
+    t.top_entropy_quantile, t.off_policy_mask_threshold = 1.0, None
+    t.importance_sampling_level, t.beta, t.loss_type = level, beta, loss_type
+    t.epsilon_low, t.epsilon_high, t.max_completion_length = eps_low, eps_high, max_len
+    t.use_vllm, t.vllm_importance_sampling_correction = False, False
+    t.current_gradient_accumulation_steps, t.aux_loss_enabled = 1, False
+    t._entropy_bonus_enabled, t._metrics = False, defaultdict(lambda: defaultdict(list))
+    t.args = SimpleNamespace(use_bias_correction_kl=False, delta=None)
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logp, torch.zeros_like(logp), None)
+    R, T = logp.shape
+    inputs = {
+        "prompt_ids": torch.zeros(R, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(R, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(R, T, dtype=torch.long),
+        "completion_mask": mask.long(),
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }
+    return t._compute_loss(None, inputs)
+
+
+CASES = {
+    "grpo": ("seq-mean-token-mean", "grpo", "token"),
+    "bnpo / dapo": ("token-mean", "bnpo", "token"),
+    "dr_grpo": ("seq-mean-token-sum-norm", "dr_grpo", "token"),
+    "gspo": ("seq-mean-token-mean", "grpo", "sequence"),
+}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("case", CASES)
+def test_loss_and_gradient_equal_trl(case, beta):
+    agg, loss_type, level = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    R, T = 6, 9
+    base = -torch.rand(R, T, generator=g) * 3
+    old = base + 0.3 * torch.randn(R, T, generator=g)  # ratios well outside [0.8, 1.28]: clipping acts
+    ref = base + 0.2 * torch.randn(R, T, generator=g)
+    adv = torch.randn(R, generator=g)
+    lengths = torch.tensor([9, 3, 5, 1, 7, 9])
+    mask = torch.arange(T)[None] < lengths[:, None]
+    kw = dict(beta=beta, eps_low=0.2, eps_high=0.28, max_len=T)
+
+    theirs_in = base.clone().requires_grad_()
+    theirs = trl_loss(theirs_in, old, ref, adv, mask, loss_type=loss_type, level=level, **kw)
+    theirs.backward()
+    ours_in = base.clone().requires_grad_()
+    per_token, metrics = policy_loss(
+        ours_in, old, adv, mask, clip_low=0.2, clip_high=0.28, importance=level, kl_coef=beta, ref_logps=ref
+    )
+    total, count = aggregate(per_token, mask, agg, max_len=T)
+    (total / count).backward()
+    assert float((total / count).detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-6)
+    assert torch.allclose(ours_in.grad, theirs_in.grad, atol=1e-6, rtol=1e-5)
+    clipped = float((metrics["clipped"] * mask).sum() / mask.sum())
+    if level == "token":
+        assert 0 < clipped < 1  # the case exercises the clip
+
+
+def test_sums_and_counts_make_the_batch_loss_whatever_the_split():
+    # the global loss is (sum of sums) / (sum of counts): split into microbatches, it is unchanged
+    g = torch.Generator().manual_seed(1)
+    loss = torch.randn(8, 5, generator=g)
+    mask = torch.arange(5)[None] < torch.tensor([5, 2, 3, 1, 4, 5, 2, 3])[:, None]
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        whole = aggregate(loss, mask, mode, max_len=5)
+        parts = [aggregate(loss[s : s + 3], mask[s : s + 3], mode, max_len=5) for s in (0, 3, 6)]
+        assert float(sum(p[0] for p in parts) / sum(p[1] for p in parts)) == pytest.approx(
+            float(whole[0] / whole[1])
+        )
+
+
+# -- the loss object on a model's rollouts ---------------------------------------------------
+def test_policy_loss_on_rollouts_is_reinforce_at_the_first_step():
+    from ladle.config.schema import ModelConfig
+    from ladle.models.llama import build_model
+    from ladle.train.rollout import Sampling, response_logps, rollout, sequences
+
+    torch.manual_seed(0)
+    model = build_model(
+        ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    )
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    r = rollout(model, prompts, [0, 1, 2], Sampling(n=4, max_new_tokens=6), seed=0, step=0, end_ids={0})
+    batch = sequences(r)
+    rewards = torch.tensor([float(len(x) % 2) for x in r.response_ids])
+    batch["advantages"] = advantages(rewards, 4)
+    with torch.no_grad():
+        batch["old_logps"] = response_logps(model, batch)
+    batch["ref_logps"] = batch["old_logps"].clone()
+    loss = PolicyLoss(loss_agg="token-mean", kl_coef=0.1)
+    out = loss(model, batch)
+    mask = batch["targets"] != -100
+    n = mask.sum(-1).float()
+    # ratio 1, no clip, KL 0: the loss is -sum_i A_i |y_i| / sum_i |y_i|, its gradient REINFORCE's
+    assert float(out.sum / out.count) == pytest.approx(
+        float(-(batch["advantages"] * n).sum() / n.sum()), abs=1e-5
+    )
+    assert out.count == loss.count(batch) == int(n.sum())
+    assert loss.tokens(batch) == sum(
+        len(p) + len(x) for p, x in zip(r.prompt_ids, r.response_ids, strict=True)
+    )
+    assert (
+        float(out.metrics["kl"]) == pytest.approx(0.0, abs=1e-6) and float(out.metrics["clip_fraction"]) == 0
+    )
+    (out.sum / out.count).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    lp = response_logps(model, batch)
+    (-(batch["advantages"][:, None] * lp).sum() / n.sum()).backward()
+    for a, p in zip(got, model.parameters(), strict=True):
+        assert torch.allclose(a, p.grad, atol=1e-6)
+    summary = loss.summarize({k: float(v) for k, v in out.metrics.items()}, out.count, 1)
+    assert set(summary) == {"kl", "clip_fraction"}
+    with pytest.raises(ValueError, match="loss_agg 'mean': choose one of token-mean"):
+        PolicyLoss(loss_agg="mean")
