@@ -1,0 +1,108 @@
+"""PPO's mathematics on rollouts (ladle/train/rollout.py), as plain functions; the clipped policy
+surrogate and the KL estimators are GRPO's (ladle/train/grpo.py).
+
+Per response token t of a response of length L (tensors (R, T) right-padded, `mask` marking the
+response tokens, which start at column 0):
+    reward     r_t = -kl_coef KL_t, plus the score of the whole response on its last token
+    GAE        delta_t = r_t + gamma V_{t+1} - V_t (V_L = 0);  A_t = delta_t + gamma lam A_{t+1}
+    returns    R_t = A_t + V_t, the value head's target
+    whitening  (A - mean) / sqrt(var + 1e-8) over all response tokens of the batch (unbiased var)
+    policy     the clipped surrogate; with `dual_clip` c > 1, a negative advantage's loss is also
+               capped at -c A (Ye et al., 2020), so a huge ratio cannot blow it up
+    value      0.5 max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)
+    entropy    H_t = logsumexp(z) - sum softmax(z) z of the logits z at t (the bonus subtracts
+               entropy_coef H)
+and `explained_variance` = 1 - Var(R - V) / Var(R), how much of the returns the values explain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """(R, T): -kl_coef x KL per response token, plus each response's score (R,) on its last one."""
+    r = -kl_coef * kl * mask
+    last = mask.sum(-1).long() - 1  # responses start at column 0
+    has = last >= 0
+    rows = torch.arange(len(scores), device=r.device)[has]
+    r[rows, last[has]] += scores[has].to(r.dtype)
+    return r
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+):
+    """(advantages, returns), each (R, T), 0 off the response. One pass from the end."""
+    T = rewards.shape[1]
+    m = mask.to(rewards.dtype)
+    adv = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_adv = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = a * m[:, t]
+        # past the response's end nothing flows back: the next value and advantage are 0 there
+        next_value = values[:, t] * m[:, t]
+        next_adv = a * m[:, t]
+    return adv, (adv + values) * m
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """x normalised over the masked entries: (x - mean) / sqrt(var + 1e-8), var unbiased; 0 off
+    the mask. `shift_mean=False` keeps the mean (rescales only)."""
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def dual_clip_loss(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float = 0.0,
+) -> torch.Tensor:
+    """Per-token clipped surrogate -min(w A, clip(w) A); with dual_clip c > 1, for A < 0 also
+    min(that, -c A)."""
+    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    if dual_clip:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be above 1 (or 0: off), got {dual_clip}")
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    return loss
+
+
+def value_loss(values, old_values, returns, clip: float = 0.2) -> torch.Tensor:
+    """Per-token clipped value loss 0.5 max((V - R)^2, (V_clipped - R)^2); clip 0: unclipped."""
+    plain = (values - returns) ** 2
+    if not clip:
+        return 0.5 * plain
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum(plain, (clipped - returns) ** 2)
+
+
+def entropy(logits: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """The entropy of softmax(logits) at each position (..., V) -> (...), fp32, a chunk of rows at
+    a time (no (N, V) fp32 copy of all the logits at once)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = []
+    for s in range(0, flat.shape[0], rows):
+        z = flat[s : s + rows].float()
+        lse = torch.logsumexp(z, -1)
+        out.append(lse - (torch.softmax(z, -1) * z).sum(-1))
+    return torch.cat(out).view(logits.shape[:-1])
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the response tokens (1: perfect, 0: no better than the mean)."""
+    m = mask.bool()
+    r, v = returns[m].double(), values[m].double()
+    var = r.var()
+    return float(1 - (r - v).var() / var) if var > 0 else float("nan")
