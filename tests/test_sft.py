@@ -318,6 +318,9 @@ def test_sft_run_then_generation_eval(tokenizer_dir, tmp_path, capsys):
     )
     res = json.loads(capsys.readouterr().out)
     assert res["total"] == 8 and 0.0 <= res["accuracy"] <= 1.0 and len(res["examples"]) == 3
+    # the first wrong answers, to look at: as many as there are, up to 3
+    assert len(res["errors"]) == min(3, res["total"] - res["correct"])
+    assert all(not e["correct"] and e["answer"] != e["reference"] for e in res["errors"])
     assert res["examples"][0]["reference"] == " ".join(
         sorted(res["examples"][0]["prompt"].split(": ")[1].split())
     )

@@ -60,7 +60,8 @@ def evaluate_generation(
     limit: int = 0,
     examples: int = 3,
 ) -> dict:
-    """{"accuracy", "correct", "total", "examples": [...]} of greedy answers."""
+    """{"accuracy", "correct", "total", "examples": [...], "errors": [...]} of greedy answers:
+    the first `examples` records, and the first `examples` wrong answers (what to look at)."""
     encoder = ChatEncoder(tok, template)
     items = read_prompts(data, encoder)
     if limit:
@@ -68,7 +69,7 @@ def evaluate_generation(
     ends = {i for i in (tok.eos_id, *(tok.token_to_id(t) for t in END_OF_TURN)) if i is not None}
     t0 = time.perf_counter()
     model.eval()
-    correct, shown = 0, []
+    correct, shown, errors = 0, [], []
     with prepacked(model, batch=batch_size):  # the weights packed once for every batch
         for b in range(0, len(items), batch_size):
             chunk = items[b : b + batch_size]
@@ -83,8 +84,11 @@ def evaluate_generation(
                 answer = tok.decode([t for t in new if t not in ends])
                 ok = score(answer, ref)
                 correct += ok
+                example = {"prompt": prompt, "answer": answer, "reference": ref, "correct": bool(ok)}
                 if len(shown) < examples:
-                    shown.append({"prompt": prompt, "answer": answer, "reference": ref, "correct": bool(ok)})
+                    shown.append(example)
+                if not ok and len(errors) < examples:
+                    errors.append(example)
     return {
         "task": "generate",
         "data": str(data),
@@ -93,5 +97,6 @@ def evaluate_generation(
         "total": len(items),
         "template": encoder.template_name,
         "examples": shown,
+        "errors": errors,
         "eval_s": round(time.perf_counter() - t0, 3),
     }
