@@ -195,3 +195,154 @@ def test_policy_loss_on_rollouts_is_reinforce_at_the_first_step():
     assert set(summary) == {"kl", "clip_fraction"}
     with pytest.raises(ValueError, match="loss_agg 'mean': choose one of token-mean"):
         PolicyLoss(loss_agg="mean")
+
+
+# -- the recipe -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompt_data(chat_tokenizer, tmp_path_factory):
+    import json
+
+    from ladle.data.prompts import prepare_prompts
+
+    d = tmp_path_factory.mktemp("prompts")
+    words = ["fig", "pear", "kiwi", "lime", "plum", "date"]
+    with (d / "p.jsonl").open("w") as f:
+        for i in range(40):
+            w = [words[(i + k) % 6] for k in range(2 + i % 2)]
+            f.write(json.dumps({"prompt": "Sort: " + " ".join(w), "answer": " ".join(sorted(w))}) + "\n")
+    prepare_prompts([d / "p.jsonl"], tokenizer=chat_tokenizer, output=d / "data", progress=False)
+    return d / "data"
+
+
+def grpo_config(chat_tokenizer, data, out, **grpo) -> dict:
+    from conftest import make_tiny_config
+
+    cfg = make_tiny_config(chat_tokenizer, data, out)
+    cfg["model"]["vocab_size"] = 640
+    cfg["data"]["seq_len"] = 48
+    cfg["train"].update({"max_steps": 4, "eval_every": 0, "eval_steps": 0, "micro_batch_size": 2})
+    cfg["checkpoint"] = {"every": 0, "keep_last": 1}
+    cfg["scheduler"] = {"name": "constant", "warmup_steps": 0}
+    cfg["sample"] = {"prompt": ""}
+    cfg["grpo"] = {"num_samples": 4, "max_response_len": 8, **grpo}
+    cfg["rewards"] = {
+        "terms": [
+            {"name": "exact"},
+            {"name": "length", "max_tokens": 8, "buffer": 4, "weight": 0.1},
+            # a random policy is never exact: this term gives its responses rewards that differ
+            {"name": "format", "key": "has_e", "pattern": ".*e.*"},
+        ]
+    }
+    return cfg
+
+
+def test_grpo_runs_on_its_rollouts_with_the_metrics_by_name(chat_tokenizer, prompt_data, tmp_path):
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "run", kl_coef=0.05, num_iterations=2)
+    assert load("grpo").run(build_config(cfg)) == "completed"
+    recs = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(recs) == 4
+    for key in (
+        "reward_mean",
+        "reward_exact_mean",
+        "reward_length_mean",
+        "reward_has_e_mean",
+        "response_len_mean",
+        "kl",
+        "clip_fraction",
+        "rollout_logprob_diff",
+        "rollout_imbalance",
+        "rollout_tokens_per_s",
+        "gen_s",
+    ):
+        assert all(key in r and math.isfinite(r[key]) for r in recs), key
+    first = recs[0]
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # policy = reference at the first step
+    assert first["rollout_logprob_diff"] < 1e-4  # fp32: sampling and training forward agree
+    assert first["clip_fraction"] == 0.0  # ratio 1 on the first iteration
+    assert 1 <= first["response_len_mean"] <= 8 and first["rollout_imbalance"] == 1.0
+    assert 0 < first["reward_has_e_mean"] < 1 and first["grad_norm"] > 0  # a learning signal
+    # num_iterations 2: steps 1-2 train on one rollout batch, 3-4 on the next
+    assert recs[0]["reward_mean"] == recs[1]["reward_mean"] and recs[1]["gen_s"] == recs[0]["gen_s"]
+    assert recs[1]["kl"] > 0  # the second iteration's policy has moved off the reference
+
+
+def test_grpo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, tmp_path, capsys):
+    import yaml
+
+    from ladle.cli import main
+
+    path = tmp_path / "c.yaml"
+    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "r")
+    cfg["rewards"] = {"terms": [{"name": "exactt"}]}
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "grpo", "--config", str(path)]) == 2
+    assert "unknown reward 'exactt'; registered rewards are exact" in capsys.readouterr().err
+    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "r", num_samples=1)
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "grpo", "--config", str(path)]) == 2
+    assert "grpo.num_samples=1 leaves a group of one" in capsys.readouterr().err
+    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "r")
+    cfg["rewards"] = {"terms": [{"name": "math", "field": "solution"}]}
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "grpo", "--config", str(path)]) == 2
+    assert "prompt 0 has no field 'solution'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_grpo_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    # the same global batch (4 prompts x 4 samples): one process accumulates 2 microbatches of 2
+    # prompts, two FSDP ranks take one each
+    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "one", kl_coef=0.05)
+    cfg["train"].update({"grad_accum_steps": 2, "threads": 1})
+    assert load("grpo").run(build_config(cfg)) == "completed"
+    one = [r for r in read_metrics(tmp_path / "one") if "loss" in r]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "ladle", "run", "grpo", "--config", str(path), "--nproc", "2"]
+    over = [f"output_dir={tmp_path / 'par'}", "parallel.dp_shard=2", "train.grad_accum_steps=1"]
+    r = subprocess.run([*cmd, *over], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    par = [r for r in read_metrics(tmp_path / "par") if "loss" in r]
+    assert len(par) == len(one) == 4
+    for a, b in zip(one, par, strict=True):
+        # the same responses (a function of their key, not of the layout), so the same rewards
+        for key in ("reward_mean", "reward_has_e_mean", "response_len_mean"):
+            assert b[key] == pytest.approx(a[key], abs=1e-9), key
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-7)
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9)
+
+
+def test_grpo_resume_equals_an_uninterrupted_run(chat_tokenizer, prompt_data, tmp_path):
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    def run(out, **train):
+        cfg = grpo_config(chat_tokenizer, prompt_data, out, kl_coef=0.05, num_iterations=2)
+        cfg["checkpoint"] = {"every": 2, "keep_last": 2}
+        cfg["train"].update(train)
+        return load("grpo").run(build_config(cfg))
+
+    assert run(tmp_path / "whole") == "completed"
+    assert run(tmp_path / "cut", exit_at_step=2) == "exit"
+    assert run(tmp_path / "cut", resume="auto") == "completed"
+    whole = [r for r in read_metrics(tmp_path / "whole") if "loss" in r]
+    cut = [r for r in read_metrics(tmp_path / "cut") if "loss" in r and r["step"] > 2]
+    assert [r["step"] for r in cut] == [3, 4]
+    for a, b in zip(whole[2:], cut, strict=True):
+        for key in ("loss", "grad_norm", "kl", "reward_mean", "response_len_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)

@@ -398,6 +398,55 @@ class RewardConfig(Section):
     )
 
 
+class GRPOConfig(Section):
+    """Group relative policy optimisation on the policy's own rollouts (`ladle run grpo`,
+    ladle/train/grpo.py, docs/rl.md)."""
+
+    num_samples: int = Field(8, ge=1, description="responses sampled per prompt (the group)")
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="grpo: r - group mean; rloo: leave-one-out; reinforce_pp: whitened over the batch"
+    )
+    scale: Literal["group", "batch", "none"] = Field(
+        "group", description="divide advantages by the group's or the batch's std (none: Dr. GRPO)"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference; 0: no reference model")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    clip_low: float = Field(0.2, ge=0, lt=1, description="ratios below 1 - clip_low are clipped")
+    clip_high: float = Field(0.2, ge=0, description="ratios above 1 + clip_high are clipped (DAPO: 0.28)")
+    importance: Literal["token", "sequence"] = Field("token", description="sequence: GSPO")
+    num_iterations: int = Field(
+        1, ge=1, description="optimizer steps per rollout batch, on its old log-probs"
+    )
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0: off")
+    max_response_len: int = Field(256, ge=1, description="response tokens at most (the cap)")
+    stop: list[str] = Field(default_factory=list, description="strings that end a response")
+    rollout_batch: int = Field(64, ge=1, description="rows per generation batch")
+
+    @model_validator(mode="after")
+    def _groups(self):
+        if self.num_samples == 1 and (self.scale == "group" or self.advantage != "grpo"):
+            raise ValueError(
+                "grpo.num_samples=1 leaves a group of one: its advantage is always 0 with "
+                f"{'grpo.scale=group' if self.scale == 'group' else f'grpo.advantage={self.advantage}'}; "
+                "sample at least 2 per prompt"
+            )
+        return self
+
+
+class RewardsConfig(Section):
+    """The rewards of the RL recipes (ladle/rewards.py): weighted terms by name."""
+
+    terms: list[dict] = Field(
+        default_factory=lambda: [{"name": "exact"}],
+        description="[{name, weight, key, options...}]: registered rewards (exact, regex, math, format, "
+        "length) or functions of `file`",
+    )
+    file: str | None = Field(None, description="a Python file of your own reward functions")
+
+
 class LadleConfig(Section):
     output_dir: str = "runs/default"
     seed: int = 0
@@ -415,6 +464,8 @@ class LadleConfig(Section):
     lora: LoRAConfig | None = Field(None, description="adapters instead of full finetuning; null: off")
     dpo: DPOConfig = DPOConfig()
     reward: RewardConfig = RewardConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    rewards: RewardsConfig = RewardsConfig()
 
     @model_validator(mode="after")
     def _check_cross(self):

@@ -229,3 +229,28 @@ class PromptSplit:
     def get(self, i: int) -> tuple[np.ndarray, dict]:
         k, j = self._index[i]
         return self.tokens[k][j].astype(np.int64), self.records[i]
+
+
+class PromptSamples:
+    """The prompts of a split as loader rows: `prompt` (max_len,) ids left-padded with `pad_id`,
+    `prompt_len`, and `index` (the prompt's index in the split: the key of its rollouts and of
+    its record)."""
+
+    def __init__(self, split: PromptSplit, max_len: int, pad_id: int = 0, name: str = "train"):
+        longest = int(split.lengths.max()) if len(split) else 0
+        if longest > max_len:
+            raise DataError(
+                f"the {name} split holds a prompt of {longest} tokens, longer than {max_len} "
+                "(data.seq_len - grpo.max_response_len): raise data.seq_len, or shorten the prompts "
+                "(--max-prompt-len) or the responses"
+            )
+        self.split, self.max_len, self.pad_id = split, max_len, pad_id
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def get(self, i: int) -> dict[str, np.ndarray]:
+        ids, _ = self.split.get(i)
+        row = np.full(self.max_len, self.pad_id, dtype=np.int64)
+        row[self.max_len - len(ids) :] = ids
+        return {"prompt": row, "prompt_len": np.array(len(ids)), "index": np.array(i)}

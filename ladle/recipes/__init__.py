@@ -12,6 +12,7 @@ RECIPES = {
     "sft": "ladle.recipes.sft",
     "reward": "ladle.recipes.reward",
     "dpo": "ladle.recipes.dpo",
+    "grpo": "ladle.recipes.grpo",
 }
 
 

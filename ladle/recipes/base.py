@@ -58,7 +58,7 @@ def build_trainer(
     recipe: str = "pretrain",
     samples=None,  # (cfg, split, found) -> rows with len() and get(i); pretraining's by default
     loss: Loss | None = None,  # the causal-LM loss by default
-    setup=None,  # (Setup) -> (samples, loss), after the policy is built
+    setup=None,  # (Setup) -> (samples, loss[, wrap(loader, evaluate) -> (loader, evaluate)]), after the policy is built
 ) -> Trainer:
     par = par or Parallel(Layout(), device)
     resume = resume or Resume(None)
@@ -74,9 +74,13 @@ def build_trainer(
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     fpt, trained = model_flops(cfg, n_no_embed)
     unit = TrainUnit(cfg, built.model, device, par, built.pipeline)
+    wrap = None
     if setup is not None:
-        samples, loss = setup(Setup(cfg, par, device, unit, run, found, resume))
+        samples, loss, *more = setup(Setup(cfg, par, device, unit, run, found, resume))
+        wrap = more[0] if more else None
     train, loader, val, evaluate = make_loaders(cfg, par, samples, found, device, run)
+    if wrap is not None:  # e.g. the RL recipes' rollouts from each step's prompts
+        loader, evaluate = wrap(loader, evaluate)
     loss = loss or CausalLMLoss(cfg.model.moe)
     trainer = Trainer(cfg, run, unit, loader, loss, flops_per_token=fpt, eval_batches=evaluate)
     run.events(

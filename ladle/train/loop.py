@@ -300,11 +300,14 @@ class Trainer:
         }
         if self.unit.precision.loss_scale is not None:
             rec["loss_scale"] = self.unit.precision.loss_scale
-        rec.update(out["metrics"])  # the recipe's own, by the names its loss gives them
+        # the recipe's own, by the names its loss (and a loader that makes rollouts) gives them
+        extra = self.loader.step_metrics() if hasattr(self.loader, "step_metrics") else {}
+        rec.update(out["metrics"])
+        rec.update(extra)
         self.run.metrics.write(rec)
         self.last_record = rec
-        self.recipe_metrics = out["metrics"]
-        bar.print(format_line(rec, self.loss.console))
+        self.recipe_metrics = {**out["metrics"], **extra}
+        bar.print(format_line(rec, (*self.loss.console, *getattr(self.loader, "console", ()))))
 
 
 def _new_window() -> dict:
