@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ladle-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo sft-demo lora-demo dpo-demo test test-fast lint format bench clean-demo
+.PHONY: setup demo sft-demo lora-demo dpo-demo grpo-demo test test-fast lint format bench clean-demo
 
 setup: $(STAMP)
 
@@ -108,6 +108,33 @@ $(DPO)/data/meta.json: $(DEMO)/tokenizer/tokenizer.json
 	$(BIN)/ladle data synth $(DPO_TASK) --output $(DPO)/task
 	$(BIN)/ladle data prepare --task preference --input $(DPO)/pairs/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(DPO)/data --val-fraction 0.05
 
+# --- the GRPO demo: the SFT demo's model trained on its own sampled answers, rewarded when exact ----
+GRPO := runs/grpo
+
+grpo-demo: setup $(SFT)/run/checkpoints/latest $(GRPO)/prompts/meta.json
+	rm -rf $(GRPO)/run
+	$(GRPO_EVAL) --model $(SFT)/run > $(GRPO)/before.json
+	$(BIN)/ladle run grpo --config configs/tiny/grpo.yaml
+	$(GRPO_EVAL) --model $(GRPO)/run > $(GRPO)/after.json
+	@$(BIN)/python -c "$$GRPO_SUMMARY"
+
+# The DPO demo's task (up to 7 words): the prompts to train on, and held-out chats of the same seed.
+GRPO_EVAL = $(BIN)/ladle eval --task generate --data $(GRPO)/task/val.jsonl --max-new-tokens 32
+
+define GRPO_SUMMARY
+import json
+b, a = (json.load(open(f'$(GRPO)/{n}.json')) for n in ('before', 'after'))
+final = json.load(open('$(GRPO)/run/run_card.json'))['final']
+print(f"grpo-demo: held-out task accuracy {b['accuracy']:.0%} before, {a['accuracy']:.0%} after "
+      f"(greedy, {a['total']} problems); sampled answers' mean reward at the last step {final['reward_mean']:.2f}")
+endef
+export GRPO_SUMMARY
+
+$(GRPO)/prompts/meta.json: $(DEMO)/tokenizer/tokenizer.json
+	$(BIN)/ladle data synth $(DPO_TASK) --prompts --output $(GRPO)/records
+	$(BIN)/ladle data synth $(DPO_TASK) --output $(GRPO)/task
+	$(BIN)/ladle data prepare --task prompts --input $(GRPO)/records/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(GRPO)/prompts
+
 $(SFT)/run/checkpoints/latest:
 	$(MAKE) sft-demo
 
@@ -119,7 +146,7 @@ $(SFT)/data/meta.json: $(DEMO)/tokenizer/tokenizer.json
 	$(BIN)/ladle data prepare --task sft --input $(SFT)/task/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(SFT)/data --val-fraction 0.02
 
 clean-demo:
-	rm -rf $(DEMO) $(SFT) $(DPO)
+	rm -rf $(DEMO) $(SFT) $(DPO) $(GRPO)
 
 # --- checks -------------------------------------------------------------------------------
 test: setup

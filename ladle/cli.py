@@ -247,8 +247,9 @@ def cmd_data_synth(args) -> int:
         max_digits=args.max_digits,
         max_words=args.max_words,
         pairs=args.pairs,
+        prompts=args.prompts,
     )
-    what = "preference pairs" if args.pairs else "chats"
+    what = "preference pairs" if args.pairs else "prompts with answers" if args.prompts else "chats"
     print(f"{info['task']}: {info['train']} train and {info['val']} held-out {what} in {info['path']}")
     return 0
 
@@ -531,6 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--pairs",
         action="store_true",
         help="preference pairs: the correct answer against a plausible wrong one",
+    )
+    d.add_argument(
+        "--prompts",
+        action="store_true",
+        help='{"prompt", "answer"} records: the RL recipes\' prompts (ladle data prepare --task prompts)',
     )
     d.set_defaults(fn=cmd_data_synth)
     d = dsub.add_parser("inspect", help="counts, lengths and decoded samples of prepared data")

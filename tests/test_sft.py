@@ -275,6 +275,12 @@ def test_synthetic_task_holds_no_val_problem_in_train(tmp_path):
     for m in train:
         a, b = (int(t) for t in m[0]["content"].replace("?", " ").replace(".", " ").split() if t.isdigit())
         assert m[1]["content"] == str(a + b)
+    # --prompts: the same problems as {"prompt", "answer"} records (the RL recipes' data)
+    write_task("addition", tmp_path / "p", train=300, val=50, seed=4, max_digits=2, prompts=True)
+    rows = [json.loads(x) for x in (tmp_path / "p" / "train.jsonl").read_text().splitlines()]
+    assert rows == [{"prompt": m[0]["content"], "answer": m[1]["content"]} for m in train]
+    with pytest.raises(DataError, match="--pairs and --prompts: choose one"):
+        write_task("sort", tmp_path / "x", train=3, val=1, pairs=True, prompts=True)
 
 
 def test_sft_run_then_generation_eval(tokenizer_dir, tmp_path, capsys):

@@ -7,7 +7,9 @@ held-out file by exact match. With `pairs`, each record is a preference pair ins
 demo's data): the prompt, the correct answer as `chosen` and a plausible wrong one as `rejected`
 (addition: off by 1, 2 or 10; sort: two neighbours swapped, a word left out, or the words as given).
 The wrong answers draw on a stream of their own, so one seed gives the same problems with and
-without `pairs`: the held-out chats of a task are the held-out pairs' problems.
+without `pairs`: the held-out chats of a task are the held-out pairs' problems. With `prompts`,
+each record is {"prompt", "answer"} (the RL recipes' data, `ladle data prepare --task prompts`),
+the same problems again.
 """
 
 from __future__ import annotations
@@ -74,11 +76,14 @@ def write_task(
     max_digits: int = 3,
     max_words: int = 5,
     pairs: bool = False,
+    prompts: bool = False,
 ) -> dict:
     """`output/train.jsonl` and `output/val.jsonl`; no problem of val is in train, however phrased
     (the same operands, or the same words in the same order)."""
     if task not in TASKS:
         raise DataError(f"unknown synthetic task {task!r}; tasks are {', '.join(TASKS)}")
+    if pairs and prompts:
+        raise DataError("--pairs and --prompts: choose one record shape")
     if not 3 <= max_words <= len(WORDS):
         raise DataError(f"--max-words {max_words}: choose 3 to {len(WORDS)}")
     out = Path(output)
@@ -100,6 +105,9 @@ def write_task(
                 splits[split].append(
                     {"prompt": prompt, "chosen": answer, "rejected": wrong_answer(task, ex, wrong)}
                 )
+            elif prompts:
+                prompt, answer = (m["content"] for m in ex["messages"])
+                splits[split].append({"prompt": prompt, "answer": answer})
             else:
                 splits[split].append({"messages": ex["messages"]})
     for split, rows in splits.items():
