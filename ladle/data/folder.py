@@ -102,6 +102,23 @@ def tokenizer_fields(tok) -> dict:
     }
 
 
+def chat_meta(task: str, tok, dtype, template: str, inputs, seed: int, val_fraction: float, **fields) -> dict:
+    """meta.json of a chat-template task (sft, preference, prompts): the format and tokenizer
+    records, the task's own `fields` (options, then split and bad-record stats), the inputs."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "task": task,
+        **tokenizer_fields(tok),
+        "dtype": np.dtype(dtype).name,
+        "template": template,
+        **fields,
+        "inputs": [str(Path(i).resolve()) for i in inputs],
+        "seed": seed,
+        "val_fraction": val_fraction,
+    }
+
+
 class FolderWriter:
     """Writes a data folder atomically: everything goes to a hidden sibling `.OUT.tmp-PID`, which
     replaces OUT only once `commit(meta)` has written meta.json; on any error the sibling is

@@ -35,15 +35,13 @@ from pathlib import Path
 import numpy as np
 
 from ladle.data.folder import (
-    FORMAT,
-    VERSION,
     BadRecords,
     FolderWriter,
     SplitWriter,
     bad_reasons,
     bad_summary,
+    chat_meta,
     in_val,
-    tokenizer_fields,
 )
 from ladle.data.indexed import dtype_for_vocab
 from ladle.data.sft import OVERLONG, BadRecord, ChatEncoder, SFTSplit, check_roles
@@ -181,20 +179,18 @@ def prepare_preference(
         stats = _encode_into(
             out.tmp, rows, encoder, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
         )
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "task": TASK,
-            **tokenizer_fields(tok),
-            "dtype": np.dtype(dtype).name,
-            "template": encoder.template_name,
-            "max_len": max_len,
-            "overlong": overlong,
+        meta = chat_meta(
+            TASK,
+            tok,
+            dtype,
+            encoder.template_name,
+            inputs,
+            seed,
+            val_fraction,
+            max_len=max_len,
+            overlong=overlong,
             **stats,
-            "inputs": [str(Path(i).resolve()) for i in inputs],
-            "seed": seed,
-            "val_fraction": val_fraction,
-        }
+        )
         if not meta["splits"]["train"]["pairs"]:
             reasons = bad_reasons(meta)
             raise DataError(

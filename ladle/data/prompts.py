@@ -29,16 +29,14 @@ from pathlib import Path
 import numpy as np
 
 from ladle.data.folder import (
-    FORMAT,
-    VERSION,
     BadRecords,
     FolderWriter,
     SplitWriter,
     bad_reasons,
     bad_summary,
+    chat_meta,
     in_val,
     load_meta,
-    tokenizer_fields,
 )
 from ladle.data.indexed import IndexedDataset, dtype_for_vocab
 from ladle.data.sft import BadRecord, ChatEncoder, check_roles
@@ -111,19 +109,17 @@ def prepare_prompts(
         stats = _encode_into(
             out.tmp, rows, encoder, dtype, max_prompt_len, val_fraction, seed, strict, shard_tokens
         )
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "task": TASK,
-            **tokenizer_fields(tok),
-            "dtype": np.dtype(dtype).name,
-            "template": encoder.template_name,
-            "max_prompt_len": max_prompt_len,
+        meta = chat_meta(
+            TASK,
+            tok,
+            dtype,
+            encoder.template_name,
+            inputs,
+            seed,
+            val_fraction,
+            max_prompt_len=max_prompt_len,
             **stats,
-            "inputs": [str(Path(i).resolve()) for i in inputs],
-            "seed": seed,
-            "val_fraction": val_fraction,
-        }
+        )
         if not meta["splits"]["train"]["prompts"]:
             reasons = bad_reasons(meta)
             raise DataError(

@@ -34,16 +34,14 @@ import numpy as np
 
 from ladle.data.chat import BUILTIN, MARKERS, ChatTemplate
 from ladle.data.folder import (
-    FORMAT,
-    VERSION,
     BadRecords,
     FolderWriter,
     SplitWriter,
     bad_reasons,
     bad_summary,
+    chat_meta,
     in_val,
     load_meta,
-    tokenizer_fields,
 )
 from ladle.data.indexed import IndexedDataset, dtype_for_vocab
 from ladle.data.sources import iter_files, iter_rows, no_files_message
@@ -260,22 +258,20 @@ def prepare_sft(
         stats = _encode_into(
             out.tmp, rows, encoder, fmt, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
         )
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "task": "sft",
-            **tokenizer_fields(tok),
-            "dtype": np.dtype(dtype).name,
-            "template": encoder.template_name,
-            "mask": mask,
-            "record_format": stats.pop("record_format"),
-            "max_len": max_len,
-            "overlong": overlong,
+        meta = chat_meta(
+            "sft",
+            tok,
+            dtype,
+            encoder.template_name,
+            inputs,
+            seed,
+            val_fraction,
+            mask=mask,
+            record_format=stats.pop("record_format"),
+            max_len=max_len,
+            overlong=overlong,
             **stats,
-            "inputs": [str(Path(i).resolve()) for i in inputs],
-            "seed": seed,
-            "val_fraction": val_fraction,
-        }
+        )
         if not meta["splits"]["train"]["documents"]:
             reasons = bad_reasons(meta)
             raise DataError(
