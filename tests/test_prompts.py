@@ -112,6 +112,10 @@ def test_prompts_cli_split_inspect_and_wrong_task(chat_tokenizer, tmp_path, caps
     # a folder of another task is refused by name; a damaged records file too
     with pytest.raises(DataError, match="not prompts; prepare it with `ladle data prepare --task prompts`"):
         PromptSplit(_sft_folder(chat_tokenizer, tmp_path), "train")
+    lines = (out / "train_records.jsonl").read_text().splitlines(keepends=True)
+    (out / "train_records.jsonl").write_text("".join(lines[:3]) + lines[3][:10])  # cut inside line 4
+    with pytest.raises(DataError, match=r"train_records.jsonl:4: unreadable .*prepare the prompts again"):
+        PromptSplit(out, "train")
     (out / "train_records.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(DataError, match="records for .* prompts; prepare again"):
         PromptSplit(out, "train")

@@ -208,11 +208,14 @@ class PromptSplit:
         self._index = [(k, j) for k, d in enumerate(self.tokens) for j in range(len(d))]
         self.lengths = np.concatenate([d.sequence_lengths for d in self.tokens] or [[]]).astype(np.int64)
         path = root / info["records"]
+        self.records, where = [], str(path)
         try:
             with path.open(encoding="utf-8") as f:
-                self.records = [json.loads(line) for line in f]
+                for n, line in enumerate(f, start=1):
+                    where = f"{path}:{n}"
+                    self.records.append(json.loads(line))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataError(f"{path}: unreadable ({e}); prepare the prompts again") from None
+            raise DataError(f"{where}: unreadable ({e}); prepare the prompts again") from None
         if len(self.records) != len(self._index):
             raise DataError(
                 f"{path} holds {len(self.records)} records for {len(self._index)} prompts; prepare again"
