@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ladle-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo sft-demo lora-demo dpo-demo grpo-demo test test-fast lint format bench clean-demo
+.PHONY: setup demo sft-demo lora-demo dpo-demo grpo-demo ppo-demo test test-fast lint format bench clean-demo
 
 setup: $(STAMP)
 
@@ -135,6 +135,35 @@ $(GRPO)/prompts/meta.json: $(DEMO)/tokenizer/tokenizer.json
 	$(BIN)/ladle data synth $(DPO_TASK) --output $(GRPO)/task
 	$(BIN)/ladle data prepare --task prompts --input $(GRPO)/records/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(GRPO)/prompts
 
+# --- the PPO demo: the SFT demo's model trained on its own answers, scored by the DPO demo's reward model
+PPO := runs/ppo
+
+ppo-demo: setup $(SFT)/run/checkpoints/latest $(DPO)/reward/checkpoints/latest $(PPO)/prompts/meta.json
+	rm -rf $(PPO)/run
+	$(GRPO_EVAL) --model $(SFT)/run > $(PPO)/before.json
+	$(BIN)/ladle run ppo --config configs/tiny/ppo.yaml
+	$(GRPO_EVAL) --model $(PPO)/run > $(PPO)/after.json
+	@$(BIN)/python -c "$$PPO_SUMMARY"
+
+define PPO_SUMMARY
+import json
+recs = [json.loads(l) for l in open('$(PPO)/run/metrics.jsonl')]
+val = [r for r in recs if 'val_reward_mean' in r]
+kl = [r['kl'] for r in recs if 'kl' in r]
+b, a = (json.load(open(f'$(PPO)/{n}.json')) for n in ('before', 'after'))
+print(f"ppo-demo: held-out prompts' mean reward-model score {val[0]['val_reward_mean']:.2f} before, "
+      f"{val[-1]['val_reward_mean']:.2f} after {val[-1]['step']} steps; KL to the start per token at most {max(kl):.3f}; "
+      f"task accuracy (greedy, exact) {b['accuracy']:.0%} before, {a['accuracy']:.0%} after")
+endef
+export PPO_SUMMARY
+
+# The GRPO demo's prompts (the DPO demo's task), 5% held out for validation.
+$(PPO)/prompts/meta.json: $(GRPO)/prompts/meta.json
+	$(BIN)/ladle data prepare --task prompts --input $(GRPO)/records/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(PPO)/prompts --val-fraction 0.05
+
+$(DPO)/reward/checkpoints/latest:
+	$(MAKE) dpo-demo
+
 $(SFT)/run/checkpoints/latest:
 	$(MAKE) sft-demo
 
@@ -146,7 +175,7 @@ $(SFT)/data/meta.json: $(DEMO)/tokenizer/tokenizer.json
 	$(BIN)/ladle data prepare --task sft --input $(SFT)/task/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(SFT)/data --val-fraction 0.02
 
 clean-demo:
-	rm -rf $(DEMO) $(SFT) $(DPO) $(GRPO)
+	rm -rf $(DEMO) $(SFT) $(DPO) $(GRPO) $(PPO)
 
 # --- checks -------------------------------------------------------------------------------
 test: setup

@@ -73,6 +73,15 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when it is true on one (e.g. a SIGTERM that reached one rank)."""
     if world_size() == 1:

@@ -272,9 +272,9 @@ class Rewards:
     registered reward or a function of `file`.
     """
 
-    def __init__(self, terms: list[dict], file: str | os.PathLike | None = None):
-        if not terms:
-            raise ConfigError("rewards.terms: name at least one reward")
+    def __init__(self, terms: list[dict], file: str | os.PathLike | None = None, *, model: bool = False):
+        if not terms and not model:  # `model`: a reward model scores too (the recipe adds its term)
+            raise ConfigError("rewards.terms: name at least one reward (or a reward model, rewards.model)")
         module = load_reward_file(file) if file else None
         self.terms: list[tuple[str, float, Callable]] = []
         for i, term in enumerate(terms):

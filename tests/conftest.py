@@ -130,3 +130,20 @@ def make_tiny_config(tokenizer_dir, data_dir, output_dir) -> dict:
         "checkpoint": {"every": 5, "keep_last": 2},
         "sample": {"prompt": "def ", "max_new_tokens": 4},
     }
+
+
+@pytest.fixture(scope="session")
+def prompt_data(chat_tokenizer, tmp_path_factory):
+    """Sort-task prompts with their answers, prepared with --task prompts (the RL tests' data)."""
+    import json
+
+    from ladle.data.prompts import prepare_prompts
+
+    d = tmp_path_factory.mktemp("prompts")
+    words = ["fig", "pear", "kiwi", "lime", "plum", "date"]
+    with (d / "p.jsonl").open("w") as f:
+        for i in range(40):
+            w = [words[(i + k) % 6] for k in range(2 + i % 2)]
+            f.write(json.dumps({"prompt": "Sort: " + " ".join(w), "answer": " ".join(sorted(w))}) + "\n")
+    prepare_prompts([d / "p.jsonl"], tokenizer=chat_tokenizer, output=d / "data", progress=False)
+    return d / "data"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ladle.train.grpo import PolicyLoss, advantages, aggregate, kl_penalty, policy_loss
+from ladle.train.ppo import entropy
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.5, 1.0, 1.0, 1.0, 0.0, 0.25, 0.75, 0.0]  # 3 prompts x 4 samples
 
@@ -174,7 +175,7 @@ def test_policy_loss_on_rollouts_is_reinforce_at_the_first_step():
     mask = batch["targets"] != -100
     n = mask.sum(-1).float()
     # ratio 1, no clip, KL 0: the loss is -sum_i A_i |y_i| / sum_i |y_i|, its gradient REINFORCE's
-    assert float(out.sum / out.count) == pytest.approx(
+    assert float((out.sum / out.count).detach()) == pytest.approx(
         float(-(batch["advantages"] * n).sum() / n.sum()), abs=1e-5
     )
     assert out.count == loss.count(batch) == int(n.sum())
@@ -192,28 +193,15 @@ def test_policy_loss_on_rollouts_is_reinforce_at_the_first_step():
     for a, p in zip(got, model.parameters(), strict=True):
         assert torch.allclose(a, p.grad, atol=1e-6)
     summary = loss.summarize({k: float(v) for k, v in out.metrics.items()}, out.count, 1)
-    assert set(summary) == {"kl", "clip_fraction"}
+    assert set(summary) == {"kl", "clip_fraction", "entropy"}
+    m = batch["targets"] != -100
+    logits = model(batch["tokens"]).detach()
+    assert summary["entropy"] == pytest.approx(entropy(logits[m]).mean().item(), rel=1e-5)
     with pytest.raises(ValueError, match="loss_agg 'mean': choose one of token-mean"):
         PolicyLoss(loss_agg="mean")
 
 
 # -- the recipe -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def prompt_data(chat_tokenizer, tmp_path_factory):
-    import json
-
-    from ladle.data.prompts import prepare_prompts
-
-    d = tmp_path_factory.mktemp("prompts")
-    words = ["fig", "pear", "kiwi", "lime", "plum", "date"]
-    with (d / "p.jsonl").open("w") as f:
-        for i in range(40):
-            w = [words[(i + k) % 6] for k in range(2 + i % 2)]
-            f.write(json.dumps({"prompt": "Sort: " + " ".join(w), "answer": " ".join(sorted(w))}) + "\n")
-    prepare_prompts([d / "p.jsonl"], tokenizer=chat_tokenizer, output=d / "data", progress=False)
-    return d / "data"
-
-
 def grpo_config(chat_tokenizer, data, out, **grpo) -> dict:
     from conftest import make_tiny_config
 
@@ -270,6 +258,38 @@ def test_grpo_runs_on_its_rollouts_with_the_metrics_by_name(chat_tokenizer, prom
     assert recs[1]["kl"] > 0  # the second iteration's policy has moved off the reference
 
 
+def test_dynamic_sampling_keeps_groups_with_a_signal_and_refills(chat_tokenizer, prompt_data, tmp_path):
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    def run(out, terms, **grpo):
+        cfg = grpo_config(chat_tokenizer, prompt_data, out, dynamic_sampling=True, **grpo)
+        cfg["rewards"] = {"terms": terms}
+        cfg["train"]["max_steps"] = 2
+        assert load("grpo").run(build_config(cfg)) == "completed"
+        return [r for r in read_metrics(out) if "loss" in r]
+
+    # exact: a random policy is never right, every group ties: all rounds spent, nothing trained
+    recs = run(tmp_path / "none", [{"name": "exact"}], max_sampling_rounds=3)
+    for r in recs:
+        assert r["sampling_rounds"] == 3 and r["groups_kept"] == 0
+        assert r["loss"] == 0 and r["grad_norm"] == 0
+    # whether a response holds an "e": some groups tie, some do not; the step gets 2 groups (its
+    # prompts) with a signal, drawing more prompts while it lacks them
+    recs = run(
+        tmp_path / "some", [{"name": "format", "key": "has_e", "pattern": ".*e.*"}], max_sampling_rounds=8
+    )
+    for r in recs:
+        assert r["groups_kept"] == 1.0 and r["sampling_rounds"] >= 1 and r["grad_norm"] > 0
+    # masking truncated responses out of the loss: with a cap of 2 tokens nearly all are cut
+    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "cut", max_response_len=2, mask_truncated=True)
+    cfg["train"]["max_steps"] = 1
+    assert load("grpo").run(build_config(cfg)) == "completed"
+    (rec,) = [r for r in read_metrics(tmp_path / "cut") if "loss" in r]
+    assert rec["response_len_mean"] <= 2 and math.isfinite(rec["loss"])
+
+
 def test_grpo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, tmp_path, capsys):
     import yaml
 
@@ -293,7 +313,8 @@ def test_grpo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, tmp_path
 
 
 @pytest.mark.slow
-def test_grpo_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic_sampling"])
+def test_grpo_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, tmp_path, dynamic):
     import subprocess
     import sys
 
@@ -305,7 +326,9 @@ def test_grpo_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, tmp_pat
 
     # the same global batch (4 prompts x 4 samples): one process accumulates 2 microbatches of 2
     # prompts, two FSDP ranks take one each
-    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "one", kl_coef=0.05)
+    # dynamic sampling: the groups kept are chosen over all ranks, in (round, prompt) order
+    extra = {"dynamic_sampling": True, "max_sampling_rounds": 4} if dynamic else {}
+    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "one", kl_coef=0.05, **extra)
     cfg["train"].update({"grad_accum_steps": 2, "threads": 1})
     assert load("grpo").run(build_config(cfg)) == "completed"
     one = [r for r in read_metrics(tmp_path / "one") if "loss" in r]
@@ -319,11 +342,14 @@ def test_grpo_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, tmp_pat
     assert len(par) == len(one) == 4
     for a, b in zip(one, par, strict=True):
         # the same responses (a function of their key, not of the layout), so the same rewards
-        for key in ("reward_mean", "reward_has_e_mean", "response_len_mean"):
+        same = ("reward_mean", "reward_has_e_mean", "response_len_mean")
+        for key in same + (("groups_kept", "sampling_rounds") if dynamic else ()):
             assert b[key] == pytest.approx(a[key], abs=1e-9), key
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-7)
         assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-9)
+        # the 2 ranks exchanged groups after generation to even their training tokens
+        assert 1.0 <= b["train_imbalance"] < 2.0 and "train_imbalance" not in a
 
 
 def test_grpo_resume_equals_an_uninterrupted_run(chat_tokenizer, prompt_data, tmp_path):
@@ -346,3 +372,14 @@ def test_grpo_resume_equals_an_uninterrupted_run(chat_tokenizer, prompt_data, tm
     for a, b in zip(whole[2:], cut, strict=True):
         for key in ("loss", "grad_norm", "kl", "reward_mean", "response_len_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+REAL = {"rl/qwen2.5-1.5b-grpo-math-1dev": 1, "rl/qwen3-8b-grpo-8dev": 8}
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_model_configs_validate_for_their_world(name, capsys):
+    from ladle.cli import main
+
+    assert main(["validate", "--config", name, "--no-paths", "--nproc", str(REAL[name])]) == 0
+    assert f"layout for {REAL[name]} processes" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -99,3 +100,358 @@ def test_entropy_equals_torch_distributions():
     want = torch.distributions.Categorical(logits=logits).entropy()
     assert torch.allclose(entropy(logits, rows=4), want, atol=1e-5)
     assert entropy(torch.zeros(2, 8)).tolist() == pytest.approx([torch.log(torch.tensor(8.0)).item()] * 2)
+
+
+def test_gae_and_token_rewards_after_a_prompt_equal_the_responses_alone():
+    # In a training row the response follows its prompt: the same response shifted right by a
+    # prompt of 3 gives the same rewards, advantages and returns, shifted.
+    r, v, mask = batch(3)
+    scores, kl = torch.tensor([1.0, -1.0, 0.5, 2.0]), r.abs()
+    shift = lambda x: torch.cat([torch.zeros(4, 3, dtype=x.dtype), x], 1)  # noqa: E731
+    want = token_rewards(scores, kl, mask, 0.1)
+    got = token_rewards(scores, shift(kl), shift(mask), 0.1)
+    assert torch.equal(got, shift(want))
+    adv, ret = gae(want, v, mask, 0.9, 0.8)
+    adv2, ret2 = gae(got, shift(v), shift(mask), 0.9, 0.8)
+    assert torch.allclose(adv2, shift(adv)) and torch.allclose(ret2, shift(ret))
+
+
+def test_value_loss_object_sums_and_explained_variance():
+    from ladle.train.ppo import ValueLoss
+
+    g = torch.Generator().manual_seed(4)
+    R, T = 3, 6
+    targets = torch.full((R, T), -100)
+    targets[0, 2:5], targets[1, 1:6], targets[2, 3:4] = 1, 1, 1
+    mask = targets != -100
+    out = torch.randn(R, T, 1, generator=g)
+    b = {
+        "targets": targets,
+        "returns": torch.randn(R, T, generator=g) * mask,
+        "old_values": torch.randn(R, T, generator=g) * mask,
+        "lengths": torch.tensor([5, 6, 4]),
+    }
+    loss = ValueLoss(clip=0.3)
+    got = loss.from_output(out, b)
+    per = value_loss(out[..., 0], b["old_values"], b["returns"], 0.3)
+    assert got.sum.item() == pytest.approx(per[mask].sum().item(), rel=1e-6)
+    assert int(got.count) == loss.count(b) == int(mask.sum())
+    summary = loss.summarize({k: float(v) for k, v in got.metrics.items()}, loss.count(b), 1)
+    want = explained_variance(out[..., 0], b["returns"], mask)
+    assert summary["explained_variance"] == pytest.approx(want, rel=1e-5)
+    assert summary["value_mean"] == pytest.approx(out[..., 0][mask].mean().item(), rel=1e-5)
+
+
+# -- the recipe ---------------------------------------------------------------------------------
+from test_grpo import grpo_config  # noqa: E402  (the GRPO tests' config)
+
+
+@pytest.fixture(scope="module")
+def reward_folder(tmp_path_factory):
+    """A random reward model (score head) of the tests' tiny shape, as a Hugging Face folder."""
+    from ladle.config.schema import ModelConfig
+    from ladle.models.hf import save_hf
+    from ladle.models.llama import Llama
+
+    cfg = ModelConfig(
+        vocab_size=640, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64, head="score"
+    )
+    torch.manual_seed(11)
+    model = Llama(cfg)
+    out = tmp_path_factory.mktemp("rm") / "hf"
+    save_hf(model.state_dict(), cfg, out, pad_id=0)
+    return out
+
+
+def ppo_config(chat_tokenizer, data, out, rm=None, **ppo) -> dict:
+    cfg = grpo_config(chat_tokenizer, data, out)
+    del cfg["grpo"]
+    cfg["ppo"] = {"num_samples": 2, "max_response_len": 8, "kl_coef": 0.05, "critic_lr": 1e-3, **ppo}
+    if rm is not None:
+        cfg["rewards"]["model"] = str(rm)
+        cfg["rewards"]["model_weight"] = 0.5
+    return cfg
+
+
+def test_ppo_runs_actor_and_critic_with_the_metrics_by_name(
+    chat_tokenizer, prompt_data, reward_folder, tmp_path
+):
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    cfg = ppo_config(
+        chat_tokenizer, prompt_data, tmp_path / "run", reward_folder, ppo_epochs=2, kl_estimator="k3"
+    )
+    assert load("ppo").run(build_config(cfg)) == "completed"
+    recs = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(recs) == 4
+    for key in (
+        "reward_mean",
+        "reward_exact_mean",
+        "reward_model_mean",
+        "response_len_mean",
+        "kl",
+        "clip_fraction",
+        "entropy",
+        "value_loss",
+        "explained_variance",
+        "value_mean",
+        "critic_grad_norm",
+        "rollout_logprob_diff",
+        "rollout_imbalance",
+        "rollout_tokens_per_s",
+        "gen_s",
+    ):
+        assert all(key in r and math.isfinite(r[key]) for r in recs), key
+    first = recs[0]
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # policy = reference at the first rollout
+    assert first["rollout_logprob_diff"] < 1e-4 and first["clip_fraction"] == 0.0
+    # whitened advantages, ratio 1: the first update's token-mean loss is -mean(A) = 0
+    assert first["loss"] == pytest.approx(0.0, abs=1e-5)
+    assert 0 < first["entropy"] <= math.log(640) + 1e-4
+    # the reward is the rule terms plus 0.5 x the reward model's score
+    terms = first["reward_exact_mean"] + 0.1 * first["reward_length_mean"] + first["reward_has_e_mean"]
+    assert first["reward_mean"] == pytest.approx(terms + 0.5 * first["reward_model_mean"], abs=1e-6)
+    # ppo_epochs 2: steps 1-2 train on one rollout batch; the critic learns on it
+    assert recs[1]["reward_mean"] == first["reward_mean"] and recs[1]["value_loss"] < first["value_loss"]
+    assert recs[2]["kl"] > 0  # k3 >= 0, and the policy has moved off the reference
+    # the policy's checkpoint is a causal LM any eval or export reads; the critic sits beside it
+    from ladle.train.export import load_checkpoint_model
+
+    model, _, _ = load_checkpoint_model(tmp_path / "run")
+    assert model.cfg.head == "lm"
+
+
+def test_ppo_whitening_is_over_the_whole_batch(chat_tokenizer, prompt_data, tmp_path):
+    # two microbatches' advantages are whitened together: as ladle.train.ppo.whiten on the
+    # concatenated batch (so 1 process and 2 ranks whiten alike)
+    from types import SimpleNamespace
+
+    from ladle.recipes.ppo import PPORollouts
+
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for rows in (2, 3):
+        targets = torch.full((rows, 6), -100)
+        targets[:, 2:5] = 1
+        batches.append(
+            {
+                "targets": targets,
+                "old_logps": torch.randn(rows, 6, generator=g) * (targets != -100),
+                "old_values": torch.randn(rows, 6, generator=g) * (targets != -100),
+                "scores": torch.randn(rows, generator=g),
+            }
+        )
+    section = SimpleNamespace(kl_estimator="k1", kl_coef=0.1, gamma=1.0, lam=0.95, whiten_advantages=True)
+    me = SimpleNamespace(section=section, reference=None)
+    raw = []
+    for b in batches:
+        mask = b["targets"] != -100
+        rw = token_rewards(b["scores"], torch.zeros_like(b["old_logps"]), mask, 0.1)
+        raw.append(gae(rw, b["old_values"], mask, 1.0, 0.95)[0])
+    PPORollouts.advantages(me, batches)
+    mask = torch.cat([b["targets"] for b in batches]) != -100
+    want = whiten(torch.cat(raw), mask)
+    assert torch.allclose(torch.cat([b["advantages"] for b in batches]), want, atol=1e-6)
+
+
+def test_ppo_resume_equals_an_uninterrupted_run(chat_tokenizer, prompt_data, tmp_path):
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    def run(out, **train):
+        cfg = ppo_config(chat_tokenizer, prompt_data, out, minibatches=2)
+        cfg["train"].update({"grad_accum_steps": 2, **train})
+        cfg["checkpoint"] = {"every": 2, "keep_last": 2}
+        return load("ppo").run(build_config(cfg))
+
+    assert run(tmp_path / "whole") == "completed"
+    assert run(tmp_path / "cut", exit_at_step=2) == "exit"
+    assert run(tmp_path / "cut", resume="auto") == "completed"
+    whole = [r for r in read_metrics(tmp_path / "whole") if "loss" in r]
+    cut = [r for r in read_metrics(tmp_path / "cut") if "loss" in r and r["step"] > 2]
+    assert [r["step"] for r in cut] == [3, 4]
+    for a, b in zip(whole[2:], cut, strict=True):  # the critic and its optimizer came back too
+        for key in ("loss", "grad_norm", "value_loss", "critic_grad_norm", "kl", "reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+def test_ppo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, reward_folder, tmp_path, capsys):
+    import yaml
+
+    from ladle.cli import main
+
+    path = tmp_path / "c.yaml"
+
+    def refused(cfg, message):
+        path.write_text(yaml.safe_dump(cfg))
+        assert main(["run", "ppo", "--config", str(path)]) == 2
+        assert message in capsys.readouterr().err
+
+    refused(
+        ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", minibatches=3),
+        "ppo.minibatches (3) must divide train.grad_accum_steps (2)",
+    )
+    refused(
+        ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", dual_clip=0.5),
+        "ppo.dual_clip=0.5: must be above 1",
+    )
+    cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", critic_init=str(tmp_path / "nowhere"))
+    refused(cfg, f"ppo.critic_init={tmp_path / 'nowhere'}")
+    cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", reward_folder)
+    cfg["model"]["vocab_size"] = 700
+    cfg["model"]["max_seq_len"] = 64
+    refused(cfg, "a vocabulary of 640 tokens, the policy's has 700")
+    cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "r")
+    cfg["rewards"] = {"terms": []}
+    refused(cfg, "rewards.terms: name at least one reward (or a reward model, rewards.model)")
+
+
+def test_policy_loss_takes_token_advantages_dual_clip_and_an_entropy_bonus():
+    from ladle.train.grpo import PolicyLoss, policy_loss
+
+    g = torch.Generator().manual_seed(6)
+    logps, old = -torch.rand(3, 5, generator=g) * 3, -torch.rand(3, 5, generator=g) * 3
+    adv, mask = torch.randn(3, 5, generator=g) * 2, torch.ones(3, 5, dtype=torch.bool)
+    got, _ = policy_loss(logps, old, adv, mask, dual_clip=3.0)
+    assert torch.allclose(got, dual_clip_loss(torch.exp(logps - old), adv, dual_clip=3.0))
+    # the bonus: the loss minus entropy_coef x the mean entropy, and its gradient
+    logits = torch.randn(2, 4, 9, generator=g, requires_grad=True)
+    targets = torch.tensor([[-100, 3, 4, -100], [-100, -100, 1, 2]])
+    b = {"targets": targets, "old_logps": torch.zeros(2, 4), "advantages": torch.zeros(2)}
+    out = PolicyLoss(entropy_coef=0.5).from_output(logits, b)
+    m = targets != -100
+    want = -0.5 * entropy(logits[m]).sum()
+    assert out.sum.item() == pytest.approx(want.item(), rel=1e-5)
+    (ga,) = torch.autograd.grad(out.sum, logits)
+    (gb,) = torch.autograd.grad(want, logits)
+    assert torch.allclose(ga, gb, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def prompt_data_val(chat_tokenizer, prompt_data):
+    from ladle.data.prompts import prepare_prompts
+
+    out = prompt_data.parent / "with_val"
+    prepare_prompts(
+        [prompt_data.parent / "p.jsonl"],
+        tokenizer=chat_tokenizer,
+        output=out,
+        val_fraction=0.3,
+        progress=False,
+    )
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+def test_validation_is_the_rewards_on_held_out_prompts(chat_tokenizer, prompt_data_val, tmp_path, recipe):
+    from ladle.config.load import build_config
+    from ladle.data.prompts import PromptSplit
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    def run(out, lr):
+        cfg = ppo_config(chat_tokenizer, prompt_data_val, out)
+        if recipe == "grpo":
+            cfg["grpo"] = {"num_samples": 2, "max_response_len": 8}
+            del cfg["ppo"]
+        cfg["optim"]["lr"] = lr
+        cfg["train"].update({"eval_every": 2, "eval_steps": 2, "eval_at_start": True})
+        assert load(recipe).run(build_config(cfg)) == "completed"
+        return [r for r in read_metrics(out) if "val_reward_mean" in r]
+
+    val = PromptSplit(prompt_data_val, "val")
+    assert len(val) >= 4  # the two validation batches of 2 prompts are held-out ones
+    frozen = run(tmp_path / "frozen", 1e-12)
+    assert [r["step"] for r in frozen] == [0, 2, 4]
+    for r in frozen:  # the same weights and the same random streams: the same responses
+        for key in ("val_reward_mean", "val_reward_has_e_mean", "val_response_len_mean"):
+            assert r[key] == frozen[0][key], key
+        assert r["val_reward_mean"] == pytest.approx(
+            r["val_reward_exact_mean"] + 0.1 * r["val_reward_length_mean"] + r["val_reward_has_e_mean"]
+        )
+    moved = run(tmp_path / "moved", 3e-3)
+    assert moved[0] == {**frozen[0], "eval_s": moved[0]["eval_s"]}
+    assert moved[-1]["val_response_len_mean"] != frozen[-1]["val_response_len_mean"] or (
+        moved[-1]["val_reward_mean"] != frozen[-1]["val_reward_mean"]
+    )
+
+
+@pytest.mark.slow
+def test_ppo_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, reward_folder, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    # one process accumulates 2 microbatches, two FSDP ranks take one each: the same rollouts,
+    # values, whitening (over both ranks) and updates of actor and critic
+    cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "one", reward_folder, ppo_epochs=2)
+    cfg["train"].update({"grad_accum_steps": 2, "threads": 1})
+    assert load("ppo").run(build_config(cfg)) == "completed"
+    one = [r for r in read_metrics(tmp_path / "one") if "loss" in r]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "ladle", "run", "ppo", "--config", str(path), "--nproc", "2"]
+    over = [f"output_dir={tmp_path / 'par'}", "parallel.dp_shard=2", "train.grad_accum_steps=1"]
+    r = subprocess.run([*cmd, *over], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    par = [r for r in read_metrics(tmp_path / "par") if "loss" in r]
+    assert len(par) == len(one) == 4
+    for a, b in zip(one, par, strict=True):
+        for key in ("reward_mean", "reward_model_mean", "response_len_mean"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+        for key in ("loss", "value_loss", "kl", "explained_variance"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        for key in ("grad_norm", "critic_grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+
+
+def test_shared_placement_parks_the_idle_models(
+    chat_tokenizer, prompt_data, reward_folder, tmp_path, monkeypatch
+):
+    # where each model is at each phase (on a CPU run nothing moves, the bookkeeping is the same):
+    # while the policy generates, the reference, reward model and critic wait in host memory;
+    # the critic is back on the device for the training step, the reference and reward model not
+    import ladle.recipes.grpo as grpo_recipe
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train import offload
+    from ladle.train.ppo import ValueLoss
+
+    seen, parkings = [], []
+
+    class Recording(offload.Parking):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            parkings.append(self)
+
+    def recording_rollout(*a, **kw):
+        seen.append(("generate", dict(parkings[-1].where)))
+        return real_rollout(*a, **kw)
+
+    real_rollout = grpo_recipe.rollout
+    monkeypatch.setattr(grpo_recipe, "Parking", Recording)
+    monkeypatch.setattr(grpo_recipe, "rollout", recording_rollout)
+    real_step = ValueLoss.from_output
+
+    def recording_value(self, out, batch):
+        seen.append(("train", dict(parkings[-1].where)))
+        return real_step(self, out, batch)
+
+    monkeypatch.setattr(ValueLoss, "from_output", recording_value)
+    cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "run", reward_folder)
+    cfg["train"]["max_steps"] = 2
+    assert load("ppo").run(build_config(cfg)) == "completed"
+    host = {"reference": "host", "reward": "host", "critic": "host"}
+    generate = [w for phase, w in seen if phase == "generate"]
+    train = [w for phase, w in seen if phase == "train"]
+    assert len(generate) == len(train) == 4  # 2 steps x 2 microbatches
+    assert generate == [host] * 4 and train == [{**host, "critic": "device"}] * 4
+    assert not parkings[-1].enabled  # a CPU run: the host is the device

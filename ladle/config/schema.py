@@ -194,6 +194,7 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0, description="0: only at the end")
     eval_steps: int = Field(10, ge=0, description="validation batches per evaluation; 0 disables")
+    eval_at_start: bool = Field(False, description="validate once before the first step too (a baseline)")
     resume: str = Field(
         "never", description="never | auto (continue from checkpoints/latest) | PATH of a checkpoint"
     )
@@ -398,7 +399,26 @@ class RewardConfig(Section):
     )
 
 
-class GRPOConfig(Section):
+class RolloutConfig(Section):
+    """How the RL recipes sample their responses (ladle/train/rollout.py)."""
+
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0: off")
+    max_response_len: int = Field(256, ge=1, description="response tokens at most (the cap)")
+    stop: list[str] = Field(default_factory=list, description="strings that end a response")
+    rollout_batch: int = Field(64, ge=1, description="rows per generation batch")
+    balance: bool = Field(
+        True,
+        description="move whole groups between data-parallel ranks after generation to even their training tokens",
+    )
+    offload_idle: bool = Field(
+        True,
+        description="on an accelerator, models a phase does not use wait in host memory (shared placement)",
+    )
+
+
+class GRPOConfig(RolloutConfig):
     """Group relative policy optimisation on the policy's own rollouts (`ladle run grpo`,
     ladle/train/grpo.py, docs/rl.md)."""
 
@@ -418,12 +438,14 @@ class GRPOConfig(Section):
     num_iterations: int = Field(
         1, ge=1, description="optimizer steps per rollout batch, on its old log-probs"
     )
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0: off")
-    max_response_len: int = Field(256, ge=1, description="response tokens at most (the cap)")
-    stop: list[str] = Field(default_factory=list, description="strings that end a response")
-    rollout_batch: int = Field(64, ge=1, description="rows per generation batch")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0: logged only")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal, sample more prompts to refill"
+    )
+    max_sampling_rounds: int = Field(3, ge=1, description="rounds of sampling a step may take to refill")
+    mask_truncated: bool = Field(
+        False, description="DAPO's overlong filtering: responses cut by the cap stay out of the loss"
+    )
 
     @model_validator(mode="after")
     def _groups(self):
@@ -433,6 +455,46 @@ class GRPOConfig(Section):
                 f"{'grpo.scale=group' if self.scale == 'group' else f'grpo.advantage={self.advantage}'}; "
                 "sample at least 2 per prompt"
             )
+        if self.num_samples == 1 and self.dynamic_sampling:
+            raise ValueError(
+                "grpo.dynamic_sampling keeps groups whose rewards differ: grpo.num_samples=1 has none; "
+                "sample at least 2 per prompt"
+            )
+        return self
+
+
+class PPOConfig(RolloutConfig):
+    """Proximal policy optimisation with a value model (`ladle run ppo`, ladle/train/ppo.py,
+    docs/rl.md)."""
+
+    num_samples: int = Field(1, ge=1, description="responses sampled per prompt")
+    kl_coef: float = Field(
+        0.05, ge=0, description="weight of the per-token KL to the reference in the reward; 0: no reference"
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of GAE")
+    lam: float = Field(0.95, ge=0, le=1, description="lambda of GAE")
+    whiten_advantages: bool = Field(True, description="advantages whitened over the rollout batch")
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float = Field(0.0, ge=0, description="> 1: cap a negative advantage's loss at -c A; 0: off")
+    value_clip: float = Field(0.2, ge=0, description="values move at most this far from the old ones; 0: off")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0: logged only")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    minibatches: int = Field(
+        1, ge=1, description="optimizer steps per pass: train.grad_accum_steps must be a multiple"
+    )
+    critic_init: str | None = Field(
+        None,
+        description="the value model's start: a reward model (run dir, checkpoint or HF folder); "
+        "null: rewards.model if set, else the policy's model.init_from with a new value head",
+    )
+    critic_lr: float | None = Field(None, gt=0, description="the value model's learning rate; null: optim.lr")
+
+    @model_validator(mode="after")
+    def _dual_clip(self):
+        if 0 < self.dual_clip <= 1:
+            raise ValueError(f"ppo.dual_clip={self.dual_clip}: must be above 1 (or 0: off)")
         return self
 
 
@@ -445,6 +507,12 @@ class RewardsConfig(Section):
         "length) or functions of `file`",
     )
     file: str | None = Field(None, description="a Python file of your own reward functions")
+    model: str | None = Field(
+        None,
+        description="a reward model (`ladle run reward` run dir, checkpoint or HF folder): its score "
+        "of the whole response is a term, logged as reward_model",
+    )
+    model_weight: float = Field(1.0, description="the reward model's weight in the sum")
 
 
 class LadleConfig(Section):
@@ -465,6 +533,7 @@ class LadleConfig(Section):
     dpo: DPOConfig = DPOConfig()
     reward: RewardConfig = RewardConfig()
     grpo: GRPOConfig = GRPOConfig()
+    ppo: PPOConfig = PPOConfig()
     rewards: RewardsConfig = RewardsConfig()
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ RECIPES = {
     "reward": "ladle.recipes.reward",
     "dpo": "ladle.recipes.dpo",
     "grpo": "ladle.recipes.grpo",
+    "ppo": "ladle.recipes.ppo",
 }
 
 

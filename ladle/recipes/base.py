@@ -37,6 +37,18 @@ from ladle.train.unit import TrainUnit
 
 
 @dataclass
+class Plan:
+    """What a recipe's `setup` hands back: its rows, its loss, and optionally `wrap(loader,
+    evaluate) -> (loader, evaluate)` (the RL recipes' rollouts made from each step's prompts) and
+    `trainer`, the loop's class or a factory with its signature (a step of more than one unit)."""
+
+    samples: object  # (cfg, split, found) -> rows with len() and get(i)
+    loss: Loss
+    wrap: object = None
+    trainer: object = None
+
+
+@dataclass
 class Setup:
     """What a recipe's `setup` sees once its policy is built."""
 
@@ -58,7 +70,7 @@ def build_trainer(
     recipe: str = "pretrain",
     samples=None,  # (cfg, split, found) -> rows with len() and get(i); pretraining's by default
     loss: Loss | None = None,  # the causal-LM loss by default
-    setup=None,  # (Setup) -> (samples, loss[, wrap(loader, evaluate) -> (loader, evaluate)]), after the policy is built
+    setup=None,  # (Setup) -> Plan, after the policy is built
 ) -> Trainer:
     par = par or Parallel(Layout(), device)
     resume = resume or Resume(None)
@@ -74,15 +86,16 @@ def build_trainer(
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     fpt, trained = model_flops(cfg, n_no_embed)
     unit = TrainUnit(cfg, built.model, device, par, built.pipeline)
-    wrap = None
+    plan = Plan(samples, loss)
     if setup is not None:
-        samples, loss, *more = setup(Setup(cfg, par, device, unit, run, found, resume))
-        wrap = more[0] if more else None
-    train, loader, val, evaluate = make_loaders(cfg, par, samples, found, device, run)
-    if wrap is not None:  # e.g. the RL recipes' rollouts from each step's prompts
-        loader, evaluate = wrap(loader, evaluate)
-    loss = loss or CausalLMLoss(cfg.model.moe)
-    trainer = Trainer(cfg, run, unit, loader, loss, flops_per_token=fpt, eval_batches=evaluate)
+        plan = setup(Setup(cfg, par, device, unit, run, found, resume))
+    train, loader, val, evaluate = make_loaders(cfg, par, plan.samples, found, device, run)
+    if plan.wrap is not None:  # e.g. the RL recipes' rollouts from each step's prompts
+        loader, evaluate = plan.wrap(loader, evaluate)
+    loss = plan.loss or CausalLMLoss(cfg.model.moe)
+    trainer = (plan.trainer or Trainer)(
+        cfg, run, unit, loader, loss, flops_per_token=fpt, eval_batches=evaluate
+    )
     run.events(
         f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"
         f"{', experts a token uses' if cfg.model.moe else ''}){trained}; "
@@ -190,8 +203,8 @@ def adapter_counts(cfg: LadleConfig, n_no_embed: int) -> tuple[int, int, int]:
 
 def run(cfg: LadleConfig, recipe: str, samples, loss: Loss | None = None, setup=None) -> str:
     """Trains on `samples` with `loss` (the causal-LM loss by default) and writes the run card;
-    returns the loop's status. `setup(Setup) -> (samples, loss)`: a recipe's own preparation once
-    the policy is built (a reference model, cached reference log-probs)."""
+    returns the loop's status. `setup(Setup) -> Plan`: a recipe's own preparation once the policy
+    is built (a reference model, cached reference log-probs, rollouts)."""
     found = check(cfg, recipe)  # init_from, tokenizer and data, before anything is written
     cfg = found.cfg
     device = dev.pick_device(cfg.train.device, dist.local_rank())

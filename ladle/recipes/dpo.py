@@ -49,15 +49,16 @@ def setup(s: base.Setup):
     cfg = s.cfg
     multiple = pad_multiple(s.par.layout.tp)
     if cfg.dpo.loss == "simpo":
-        return pair_samples, DPOLoss(cfg.dpo, multiple=multiple)
+        return base.Plan(pair_samples, DPOLoss(cfg.dpo, multiple=multiple))
     if cfg.dpo.reference == "online":
-        return pair_samples, DPOLoss(cfg.dpo, online_reference(s), multiple)
+        return base.Plan(pair_samples, DPOLoss(cfg.dpo, online_reference(s), multiple))
     cached = reference.load(cfg)
     if cached is None:
         cached = compute_cache(s)
     else:
         s.run.events(f"reference log-probs: reused from {cfg.output_dir}/{reference.CACHE_DIR}")
-    return (lambda c, split, f: pair_samples(c, split, f, cached[split])), DPOLoss(cfg.dpo, multiple=multiple)
+    rows = lambda c, split, f: pair_samples(c, split, f, cached[split])  # noqa: E731
+    return base.Plan(rows, DPOLoss(cfg.dpo, multiple=multiple))
 
 
 def online_reference(s: base.Setup):

@@ -19,14 +19,18 @@ import torch
 
 from ladle import distributed as dist
 from ladle.config import LadleConfig
+from ladle.config.schema import ModelConfig
 from ladle.data.chat import END_OF_TURN
 from ladle.data.prompts import PromptSamples, PromptSplit
-from ladle.errors import ConfigError, DataError
+from ladle.errors import ConfigError, DataError, LadleError
+from ladle.prelaunch import resolve_init_from
 from ladle.recipes import base
 from ladle.rewards import Rewards
 from ladle.train.builder import build_model
 from ladle.train.grpo import PolicyLoss, advantages
-from ladle.train.rollout import Sampling, logprob_diff, response_logps, rollout, sequences
+from ladle.train.loss import IGNORE_INDEX
+from ladle.train.offload import Parking
+from ladle.train.rollout import Sampling, balance, imbalance, logprob_diff, response_logps, rollout, sequences
 
 DATA_TASK = "prompts"  # `ladle data prepare --task prompts`
 
@@ -35,23 +39,29 @@ def check_layout(cfg: LadleConfig, layout) -> None:
     for name, degree in (("tp", layout.tp), ("pp", layout.pp), ("cp", layout.cp)):
         if degree > 1:
             raise ConfigError(
-                f"parallel.{name}={degree}: GRPO's rollouts run with data parallelism and FSDP, not yet "
+                f"parallel.{name}={degree}: the RL recipes' rollouts run with data parallelism and FSDP, not yet "
                 f"with {name.upper()}; set parallel.{name}: 1"
             )
-    if cfg.checkpoint.every and cfg.checkpoint.every % cfg.grpo.num_iterations:
+    every_batch(cfg, cfg.grpo.num_iterations, "grpo.num_iterations")
+    if cfg.rewards.model:  # its shape and vocabulary, before launch
+        scorer_config(cfg, cfg.rewards.model)
+
+
+def every_batch(cfg: LadleConfig, steps: int, name: str) -> None:
+    if cfg.checkpoint.every and cfg.checkpoint.every % steps:
         raise ConfigError(
-            f"checkpoint.every ({cfg.checkpoint.every}) must be a multiple of grpo.num_iterations "
-            f"({cfg.grpo.num_iterations}): a checkpoint inside a rollout batch's iterations would resume "
-            "without its old log-probs"
+            f"checkpoint.every ({cfg.checkpoint.every}) must be a multiple of {name} ({steps}): a "
+            "checkpoint inside a rollout batch's updates would resume without its old log-probs"
         )
 
 
-def prompt_samples(cfg: LadleConfig, split: str, found) -> PromptSamples:
+def prompt_samples(cfg: LadleConfig, split: str, found, section: str = "grpo") -> PromptSamples:
     tok = found["tokenizer"]
-    room = cfg.data.seq_len - cfg.grpo.max_response_len  # a row: prompt + response
+    cap = getattr(cfg, section).max_response_len
+    room = cfg.data.seq_len - cap  # a row: prompt + response
     if room < 1:
         raise ConfigError(
-            f"grpo.max_response_len ({cfg.grpo.max_response_len}) leaves no room for a prompt in "
+            f"{section}.max_response_len ({cap}) leaves no room for a prompt in "
             f"data.seq_len ({cfg.data.seq_len}), the length of prompt + response"
         )
     pad = tok.pad_id if tok.pad_id is not None else 0
@@ -60,30 +70,62 @@ def prompt_samples(cfg: LadleConfig, split: str, found) -> PromptSamples:
 
 class Rollouts:
     """A loader of rollout batches: each step's prompt microbatches (from `inner`) become batches
-    of sampled responses with their advantages and old (and reference) log-probs. `step_metrics`:
-    the rewards and rollout figures of the last rollout, over every rank."""
+    of sampled responses scored by the rewards (and a reward model), with the old (and reference)
+    log-probs and GRPO's group advantages (`advantages`, which PPO's subclass replaces). A batch
+    serves `reuse` optimizer steps, cycling over `minibatches` slices of its microbatches.
+    `step_metrics`: the rewards and rollout figures of the last rollout, over every rank."""
 
     console = ("reward_mean",)
 
-    def __init__(self, inner, policy, reference, rewards: Rewards, records, cfg: LadleConfig, tok, device):
-        self.inner, self.policy, self.reference, self.rewards = inner, policy, reference, rewards
-        self.records, self.cfg, self.tok, self.device = records, cfg, tok, device
-        g = cfg.grpo
+    def __init__(
+        self,
+        inner,
+        s: base.Setup,
+        section,
+        rewards: Rewards,
+        records,
+        *,
+        reference=None,
+        reward_model=None,
+        reuse: int = 1,
+        minibatches: int = 1,
+    ):
+        cfg, tok = s.cfg, s.found["tokenizer"]
+        self.inner, self.policy, self.reference, self.rewards = inner, s.unit.model, reference, rewards
+        self.reward_model, self.records, self.cfg, self.tok, self.device = (
+            reward_model,
+            records,
+            cfg,
+            tok,
+            s.device,
+        )
+        self.section, self.reuse, self.minibatches = section, reuse, minibatches
         self.sampling = Sampling(
-            n=g.num_samples,
-            temperature=g.temperature,
-            top_p=g.top_p,
-            top_k=g.top_k,
-            max_new_tokens=g.max_response_len,
-            stop=tuple(g.stop),
+            n=section.num_samples,
+            temperature=section.temperature,
+            top_p=section.top_p,
+            top_k=section.top_k,
+            max_new_tokens=section.max_response_len,
+            stop=tuple(section.stop),
         )
         ends = {tok.eos_id, *(tok.token_to_id(t) for t in END_OF_TURN)}
         self.end_ids = {i for i in ends if i is not None}
         self.pad = tok.pad_id if tok.pad_id is not None else 0
+        self.unit = s.unit
+        # shared placement: the models a phase does not use wait in host memory (accelerators)
+        self.parking = Parking(s.device, enabled=section.offload_idle)
+        self.parking.add("reference", reference)
+        self.parking.add("reward", reward_model)
+        self.trained: tuple[str, ...] = ()  # parked models the training step needs back (PPO's critic)
         self.cached: list[dict] | None = None
         self.uses = 0
         self.data_s = 0.0
         self.metrics: dict[str, float] = {}
+
+    def context(self):
+        """The training forward's numerics (autocast), so old log-probs equal the loss's at the
+        first update and the rollout's sampling matches them."""
+        return self.unit.precision.autocast()
 
     # the loop's loader interface --------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -100,26 +142,30 @@ class Rollouts:
         return dict(self.metrics)
 
     def next(self) -> list[dict]:
-        if self.cached is not None and self.uses < self.cfg.grpo.num_iterations:
-            self.uses += 1
+        if self.cached is None or self.uses >= self.reuse:
+            step = self.inner.consumed_samples // max(self.inner.layout.global_batch, 1)  # before next()
+            micro = self.inner.next()
+            t0 = time.perf_counter()
+            self.cached = self.make(micro, step)
+            self.uses = 0
+            self.data_s = self.inner.data_s + time.perf_counter() - t0
+        else:
             self.data_s = 0.0
-            return self.cached
-        step = self.inner.consumed_samples // max(self.inner.layout.global_batch, 1)  # before next()
-        micro = self.inner.next()
-        t0 = time.perf_counter()
-        self.cached = self.make(micro, step)
-        self.uses = 1
-        self.data_s = self.inner.data_s + time.perf_counter() - t0
-        return self.cached
+        self.parking.unpark(*self.trained)
+        k = self.uses % self.minibatches
+        self.uses += 1
+        size = len(self.cached) // self.minibatches
+        return self.cached[k * size : (k + 1) * size]
 
     # rollouts ----------------------------------------------------------------------------------
-    def make(self, micro: list[dict], step: int) -> list[dict]:
-        t0 = time.perf_counter()
-        out, parts, diffs, gen_tokens = [], {}, [], 0
-        for b in micro:
-            prompts = [row[-int(n) :].tolist() for row, n in zip(b["prompt"], b["prompt_len"], strict=True)]
-            index = b["index"].tolist()
-            prompt_text = {i: self.tok.decode(p) for i, p in zip(index, prompts, strict=True)}
+    def sample(self, b: dict, step: int, split: str = "train"):
+        """A prompt microbatch's responses: (the rollouts, their rewards (float64), each reward
+        term's values by key, with `reward` and `response_len`)."""
+        prompts = [row[-int(n) :].tolist() for row, n in zip(b["prompt"], b["prompt_len"], strict=True)]
+        index = b["index"].tolist()
+        prompt_text = {i: self.tok.decode(p) for i, p in zip(index, prompts, strict=True)}
+        self.parking.park(*self.parking.items)  # the policy alone generates
+        with self.context():
             r = rollout(
                 self.policy,
                 prompts,
@@ -130,47 +176,175 @@ class Rollouts:
                 end_ids=self.end_ids,
                 decode=self.tok.decode,
                 pad_id=self.pad,
-                batch_size=self.cfg.grpo.rollout_batch,
+                batch_size=self.section.rollout_batch,
             )
-            gen_tokens += sum(len(x) for x in r.response_ids)
-            rewards, terms = [], {}
-            for i, resp, n in zip(r.prompt_index, r.response_ids, map(len, r.response_ids), strict=True):
-                text = self.tok.decode([t for t in resp if t not in self.end_ids])
-                total, each = self.rewards(text, self.records[i], prompt=prompt_text[i], response_tokens=n)
-                rewards.append(total)
-                for k, v in each.items():
-                    terms.setdefault(k, []).append(v)
+        records = self.records[split]
+        rewards, terms = [], {}
+        for i, resp, n in zip(r.prompt_index, r.response_ids, map(len, r.response_ids), strict=True):
+            text = self.tok.decode([t for t in resp if t not in self.end_ids])
+            total, each = self.rewards(text, records[i], prompt=prompt_text[i], response_tokens=n)
+            rewards.append(total)
+            for k, v in each.items():
+                terms.setdefault(k, []).append(v)
+        rew = torch.tensor(rewards, dtype=torch.float64)
+        if self.reward_model is not None:  # its score of the whole sequence, at the last token
+            self.parking.unpark("reward")
+            batch = sequences(r, self.pad)
+            with torch.no_grad(), self.context():
+                tokens, at = batch["tokens"].to(self.device), (batch["lengths"] - 1).to(self.device)
+                score = self.reward_model(tokens, at=at)[:, 0, 0].double().cpu()
+            terms["model"] = score.tolist()
+            rew = rew + self.cfg.rewards.model_weight * score
+            self.parking.park("reward")
+        terms = {"reward": rew.tolist(), **{f"reward_{k}": v for k, v in terms.items()}}
+        terms["response_len"] = [len(x) for x in r.response_ids]
+        return r, rew, terms
+
+    def make(self, micro: list[dict], step: int) -> list[dict]:
+        t0 = time.perf_counter()
+        sampled = [self.sample(b, step) for b in micro]
+        parts: dict[str, list] = {}
+        for _, _, terms in sampled:
+            for k, v in terms.items():
+                parts.setdefault(k, []).extend(v)
+        extra = {}
+        chunks = [(r, rew, True) for r, rew, _ in sampled]
+        dynamic = getattr(self.section, "dynamic_sampling", False)
+        exchange = self.section.balance and dist.world_size() > 1
+        if dynamic or exchange:
+            groups = self.groups(chunks, 0)
+            if dynamic:
+                groups, extra = self.refill(groups, parts)
+            if exchange:
+                groups, extra["train_imbalance"] = self.exchange(groups)
+            chunks = self.spread(groups, len(chunks), fallback=chunks[0])
+        out, diffs = [], []
+        for r, rew, live in chunks:
             batch = {k: v.to(self.device) for k, v in sequences(r, self.pad).items()}
-            rew = torch.tensor(rewards)
-            batch["advantages"] = advantages(
-                rew, self.sampling.n, self.cfg.grpo.advantage, self.cfg.grpo.scale
-            ).to(self.device)
-            with torch.no_grad():
+            if (
+                not live
+            ):  # a placeholder: every rank runs as many microbatches (FSDP), this one trains nothing
+                batch["targets"].fill_(IGNORE_INDEX)
+            elif getattr(self.section, "mask_truncated", False):  # DAPO's overlong filtering
+                cut = torch.tensor([not f for f in r.finished], device=self.device)
+                batch["targets"][cut] = IGNORE_INDEX
+            self.parking.unpark("reference", *self.trained)
+            with torch.no_grad(), self.context():
                 batch["old_logps"] = response_logps(self.policy, batch, self.sampling.temperature)
                 if self.reference is not None:
                     batch["ref_logps"] = response_logps(self.reference, batch, self.sampling.temperature)
+                self.score(batch)
+            batch["scores"] = rew.float().to(self.device)
             diffs.append(logprob_diff(r, batch["old_logps"], batch))
-            for k, v in {"reward": rewards, **{f"reward_{k}": v for k, v in terms.items()}}.items():
-                parts.setdefault(k, []).extend(v)
-            parts.setdefault("response_len", []).extend(len(x) for x in r.response_ids)
             out.append(batch)
+        self.parking.park("reference")
+        extra.update(self.advantages(out))
         gen_s = time.perf_counter() - t0
-        self.metrics = self._reduce(parts, max(diffs, default=0.0), gen_tokens, gen_s)
+        self.metrics = {**self._reduce(parts, max(diffs, default=0.0), gen_s), **extra}
         return out
 
-    def _reduce(self, parts: dict, diff: float, gen_tokens: int, gen_s: float) -> dict:
-        """Means over every rank's responses; the largest log-prob difference and generation time;
-        the ranks' balance (max over mean of their generated tokens)."""
-        keys = sorted(parts)
+    def groups(self, chunks: list, round_: int) -> list:
+        """(key, rollouts, rewards) of each prompt's group of samples; key = (round, prompt index)."""
+        n, out = self.sampling.n, []
+        for r, rew, _ in chunks:
+            for j in range(0, len(r), n):
+                out.append(((round_, r.prompt_index[j]), r.subset(list(range(j, j + n))), rew[j : j + n]))
+        return out
+
+    def spread(self, groups: list, n_chunks: int, fallback) -> list:
+        """This rank's groups in key order over its `n_chunks` microbatches, whole groups in each;
+        a microbatch left empty gets the first group of `fallback`, trained on nothing."""
+        groups = sorted(groups, key=lambda g: g[0])
+        out, at, n = [], 0, self.sampling.n
+        for c in range(n_chunks):
+            size = len(groups) // n_chunks + (c < len(groups) % n_chunks)
+            mine = groups[at : at + size]
+            at += size
+            if not mine:
+                r, rew, _ = fallback
+                out.append((r.subset(list(range(n))), rew[:n], False))
+                continue
+            r = mine[0][1].subset(list(range(len(mine[0][1]))))
+            for g in mine[1:]:
+                r.extend(g[1])
+            out.append((r, torch.cat([g[2] for g in mine]), True))
+        return out
+
+    def refill(self, groups: list, parts: dict) -> tuple[list, dict]:
+        """DAPO's dynamic sampling: a group whose rewards are all equal has no advantage, so it is
+        dropped, and more prompts are sampled (the next batches of the loader) until the step has
+        as many groups with a signal as it has prompts, or `max_sampling_rounds` are spent. The
+        groups kept are the first in (round, prompt index) order over every rank, whatever the
+        layout."""
+        target = self.inner.layout.global_batch
+        rounds = 1
         dev = dist.collective_device()
-        sums = [float(sum(parts[k])) for k in keys] + [float(len(parts["reward"])), float(gen_tokens)]
-        sums = dist.all_reduce_sum(torch.tensor(sums, dtype=torch.float64, device=dev)).tolist()
-        high = dist.all_reduce_max(
-            torch.tensor([diff, float(gen_tokens), gen_s], dtype=torch.float64, device=dev)
-        )
+        while True:
+            mine = [g for g in groups if g[2].max() > g[2].min()]
+            found = int(dist.all_reduce_sum(torch.tensor([len(mine)], device=dev)).item())
+            if found >= target or rounds >= self.section.max_sampling_rounds:
+                break
+            step = self.inner.consumed_samples // max(target, 1)
+            more = [self.sample(b, step) for b in self.inner.next()]
+            for _, _, terms in more:
+                for k, v in terms.items():
+                    parts.setdefault(k, []).extend(v)
+            groups = groups + self.groups([(r, rew, True) for r, rew, _ in more], rounds)
+            rounds += 1
+        everyone = sorted(k for keys in dist.all_gather_objects([g[0] for g in mine]) for k in keys)
+        keep = set(everyone[:target])
+        kept = [g for g in mine if g[0] in keep]
+        return kept, {"sampling_rounds": float(rounds), "groups_kept": min(found, target) / max(target, 1)}
+
+    def exchange(self, groups: list) -> tuple[list, float]:
+        """Whole groups moved between the data-parallel ranks after generation, so that each
+        trains on about as many tokens (prompt + response; the longest first, each to the least
+        loaded rank: `balance`). Every rank sees every group's cost and takes the same decision;
+        the groups travel by one all-gather. Returns this rank's groups and the training
+        imbalance after the move (max over mean of the ranks' tokens)."""
+        every = [g for mine in dist.all_gather_objects(groups) for g in mine]
+        every.sort(key=lambda g: g[0])
+        costs = [
+            sum(len(p) + len(x) for p, x in zip(g[1].prompt_ids, g[1].response_ids, strict=True))
+            for g in every
+        ]
+        plan = balance(costs, dist.world_size())
+        loads = [float(sum(costs[k] for k in rows)) for rows in plan]
+        return [every[k] for k in plan[dist.rank()]], imbalance(loads)
+
+    @torch.no_grad()
+    def validate(self, batches) -> dict:
+        """The rewards of responses to held-out prompts (the val split), sampled as in training
+        from streams that are the same at every validation: `reward_mean`, each term's, and
+        `response_len_mean`, over every rank."""
+        parts: dict[str, list] = {"reward": [], "response_len": []}
+        for b in batches:
+            for k, v in self.sample(b, VALIDATION_STEP, "val")[2].items():
+                parts.setdefault(k, []).extend(v)
+        self.parking.unpark(*self.trained)
+        return means(parts)
+
+    def score(self, batch: dict) -> None:
+        """More of a batch's forward-only scores (PPO: the value model's), in place."""
+
+    def advantages(self, batches: list[dict]) -> dict:
+        """GRPO's: within each prompt's group of samples (a microbatch holds whole groups)."""
+        g = self.section
+        for batch in batches:
+            batch["advantages"] = advantages(batch["scores"].cpu(), g.num_samples, g.advantage, g.scale).to(
+                self.device
+            )
+        return {}
+
+    def _reduce(self, parts: dict, diff: float, gen_s: float) -> dict:
+        """The means over every rank's responses; the largest log-prob difference and generation
+        time; the ranks' balance (max over mean of their generated tokens)."""
+        dev = dist.collective_device()
+        gen_tokens = float(sum(parts["response_len"]))
+        high = dist.all_reduce_max(torch.tensor([diff, gen_tokens, gen_s], dtype=torch.float64, device=dev))
         diff_max, tokens_max, gen_s_max = high.tolist()
-        n, total = max(sums[-2], 1.0), sums[-1]
-        out = {f"{k}_mean": sums[j] / n for j, k in enumerate(keys)}
+        out = means(parts)
+        total = out["response_len_mean"] * out.pop("responses")
         mean_tokens = total / dist.world_size()
         out.update(
             rollout_logprob_diff=diff_max,
@@ -181,18 +355,68 @@ class Rollouts:
         return out
 
 
+VALIDATION_STEP = -1  # the key of validation's random streams: the same responses at every validation
+
+
+def means(parts: dict[str, list]) -> dict:
+    """`<key>_mean` of each list of per-response values over every rank's responses (a term all
+    ranks log), and `responses`, their number."""
+    keys = sorted(parts)
+    sums = [float(sum(parts[k])) for k in keys] + [float(len(parts["reward"]))]
+    sums = dist.all_reduce_sum(
+        torch.tensor(sums, dtype=torch.float64, device=dist.collective_device())
+    ).tolist()
+    n = max(sums[-1], 1.0)
+    return {**{f"{k}_mean": sums[j] / n for j, k in enumerate(keys)}, "responses": sums[-1]}
+
+
+def load_rewards(s: base.Setup) -> tuple[Rewards, dict[str, list[dict]], torch.nn.Module | None]:
+    """The rule rewards, the prompts' records by split (checked for the fields the rewards read)
+    and the frozen reward model of `rewards.model`, laid out like the policy."""
+    cfg = s.cfg
+    rewards = Rewards(cfg.rewards.terms, cfg.rewards.file, model=cfg.rewards.model is not None)
+    records = {split: PromptSplit(cfg.data.path, split).records for split in ("train", "val")}
+    need = rewards.fields
+    for split, recs in records.items():
+        for i, rec in enumerate(recs):
+            missing = sorted(need - set(rec))
+            if missing:
+                raise DataError(
+                    f"{cfg.data.path}: {split} prompt {i} has no field {missing[0]!r}, which rewards.terms "
+                    f"read; prepare prompts whose records hold {', '.join(sorted(need))}"
+                )
+    model = None
+    if cfg.rewards.model:
+        model = build_model(scorer_config(cfg, cfg.rewards.model), s.par, s.device, trainable=False).model
+        s.run.events(f"reward model: {cfg.rewards.model} (frozen), weight {cfg.rewards.model_weight}")
+    return rewards, records, model
+
+
+def scorer_config(cfg: LadleConfig, path: str | None, where: str = "rewards.model", **changes) -> LadleConfig:
+    """The run config for a model with a score head from `path` (its own shape; a causal LM gets
+    a new head), or from the policy's start when `path` is None."""
+    if path is None:
+        model = cfg.model.model_copy(update={"head": "score"})
+    else:
+        try:
+            model = resolve_init_from(
+                ModelConfig(init_from=path, head="score", max_seq_len=cfg.model.max_seq_len)
+            )
+        except LadleError as e:
+            raise ConfigError(f"{where}={path}: {e}") from None
+    if model.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(
+            f"{where}={path}: a vocabulary of {model.vocab_size} tokens, the policy's has "
+            f"{cfg.model.vocab_size}; a reward or value model must share the policy's tokenizer"
+        )
+    return LadleConfig.model_validate(
+        {**cfg.model_dump(), "model": model.model_dump(), "lora": None, **changes}
+    )
+
+
 def setup(s: base.Setup):
     cfg = s.cfg
-    rewards = Rewards(cfg.rewards.terms, cfg.rewards.file)
-    split = PromptSplit(cfg.data.path, "train")
-    need = rewards.fields
-    for i, rec in enumerate(split.records):
-        missing = sorted(need - set(rec))
-        if missing:
-            raise DataError(
-                f"{cfg.data.path}: prompt {i} has no field {missing[0]!r}, which rewards.terms read; "
-                f"prepare prompts whose records hold {', '.join(sorted(need))}"
-            )
+    rewards, records, reward_model = load_rewards(s)
     g = cfg.grpo
     reference = None
     if g.kl_coef > 0:
@@ -209,14 +433,23 @@ def setup(s: base.Setup):
         kl_coef=g.kl_coef,
         kl_estimator=g.kl_estimator,
         temperature=g.temperature,
+        entropy_coef=g.entropy_coef,
     )
-    tok = s.found["tokenizer"]
 
-    def wrap(loader, evaluate):
-        # validation of a policy is its rewards on held-out prompts, not a loss: not yet
-        return Rollouts(loader, s.unit.model, reference, rewards, split.records, cfg, tok, s.device), None
+    def wrap(loader, evaluate):  # validation: the rewards on held-out prompts (Rollouts.validate)
+        rollouts = Rollouts(
+            loader,
+            s,
+            g,
+            rewards,
+            records,
+            reference=reference,
+            reward_model=reward_model,
+            reuse=g.num_iterations,
+        )
+        return rollouts, evaluate
 
-    return prompt_samples, loss, wrap
+    return base.Plan(prompt_samples, loss, wrap)
 
 
 def run(cfg: LadleConfig) -> str:

@@ -35,7 +35,7 @@ def with_score_head(cfg: LadleConfig) -> LadleConfig:
 
 def setup(s: base.Setup):
     tp = s.par.layout.tp  # sequence parallelism splits the positions: score them all there
-    return pair_samples, RewardLoss(s.cfg.reward, pad_multiple(tp), last_only=tp == 1)
+    return base.Plan(pair_samples, RewardLoss(s.cfg.reward, pad_multiple(tp), last_only=tp == 1))
 
 
 def run(cfg: LadleConfig) -> str:

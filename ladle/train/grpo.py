@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ladle.train.loss import IGNORE_INDEX, Loss, LossOut, token_logps
+from ladle.train.ppo import entropy
 
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 SCALES = ("group", "batch", "none")
@@ -85,17 +86,16 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_len: i
     """(sum, count) of a per-token loss (R, T) over the response tokens (`mask`), per `loss_agg`:
     the loss of the global batch is the sum of the sums over the sum of the counts."""
     m = mask.to(per_token.dtype)
+    rows = mask.any(-1).sum().to(per_token.dtype)  # responses with a token in the loss
     if mode == "token-mean":
         return (per_token * m).sum(), m.sum()
     if mode == "seq-mean-token-mean":
         per_seq = (per_token * m).sum(-1) / m.sum(-1).clamp(min=1)
-        return per_seq.sum(), torch.tensor(float(per_token.shape[0]), device=per_token.device)
+        return per_seq.sum(), rows
     if mode == "seq-mean-token-sum-norm":
         if not max_len:
             raise ValueError("seq-mean-token-sum-norm needs the response-length cap (max_len)")
-        return (per_token * m).sum(), torch.tensor(
-            float(per_token.shape[0] * max_len), device=per_token.device
-        )
+        return (per_token * m).sum(), rows * max_len
     raise ValueError(f"loss_agg {mode!r}: choose one of {', '.join(LOSS_AGGS)}")
 
 
@@ -111,14 +111,18 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logps: torch.Tensor | None = None,
     kl_estimator: str = "k3",
+    dual_clip: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-token loss (R, T) of the clipped surrogate plus kl_coef x KL, and per-token metrics
     (R, T): `kl`, `clipped` (the clip decides the gradient: ratio out of range on the side the
-    advantage pushes)."""
+    advantage pushes). `adv`: one per response (R,), or per token (R, T) as PPO's GAE gives;
+    `dual_clip` c > 1 caps a negative advantage's loss at -c A (PPO's dual clip)."""
     w = importance_weights(logps, old_logps, mask, importance)
-    a = adv[:, None].to(w.dtype)
+    a = (adv[:, None] if adv.dim() == 1 else adv).to(w.dtype)
     clipped_w = w.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.minimum(w * a, clipped_w * a)
+    if dual_clip:
+        loss = torch.where(a < 0, torch.minimum(loss, -dual_clip * a), loss)
     metrics = {"clipped": (((w < 1 - clip_low) & (a < 0)) | ((w > 1 + clip_high) & (a > 0))).float()}
     if kl_coef:
         if ref_logps is None:
@@ -132,10 +136,11 @@ def policy_loss(
 
 
 class PolicyLoss(Loss):
-    """GRPO's loss on a batch of rollouts: `tokens` (R, T) prompt + response, `targets` the
-    response tokens (ladle/train/rollout.py `sequences`), `advantages` (R,), `old_logps` (R, T) of
-    the sampling policy (0 off the response), and `ref_logps` (R, T) with a KL term. Metrics: `kl`
-    and `clip_fraction` per response token."""
+    """The policy's loss on a batch of rollouts (GRPO's, and PPO's actor): `tokens` (R, T) prompt +
+    response, `targets` the response tokens (ladle/train/rollout.py `sequences`), `advantages` (R,)
+    or (R, T), `old_logps` (R, T) of the sampling policy (0 off the response), and `ref_logps`
+    (R, T) with a KL term. Metrics per response token: `kl`, `clip_fraction` and `entropy` (of
+    softmax(logits / T); with `entropy_coef` > 0 its bonus joins the loss)."""
 
     console = ("kl", "clip_fraction")
 
@@ -150,6 +155,8 @@ class PolicyLoss(Loss):
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         temperature: float = 1.0,
+        dual_clip: float = 0.0,
+        entropy_coef: float = 0.0,
     ):
         for value, known, name in (
             (importance, IMPORTANCE, "importance"),
@@ -161,12 +168,14 @@ class PolicyLoss(Loss):
         self.clip_low, self.clip_high, self.importance = clip_low, clip_high, importance
         self.loss_agg, self.max_len = loss_agg, max_len
         self.kl_coef, self.kl_estimator, self.temperature = kl_coef, kl_estimator, temperature
+        self.dual_clip, self.entropy_coef = dual_clip, entropy_coef
 
     def count(self, batch: dict):
         mask = batch["targets"] != IGNORE_INDEX
         if self.loss_agg == "token-mean":
             return int(mask.sum())
-        return batch["targets"].shape[0] * (self.max_len if self.loss_agg == "seq-mean-token-sum-norm" else 1)
+        rows = int(mask.any(-1).sum())  # a response masked out of the loss (all IGNORE) counts for nothing
+        return rows * (self.max_len if self.loss_agg == "seq-mean-token-sum-norm" else 1)
 
     def tokens(self, batch: dict) -> int:
         return int(batch["lengths"].sum())  # prompt + response, not the padding
@@ -190,11 +199,22 @@ class PolicyLoss(Loss):
             kl_coef=self.kl_coef,
             ref_logps=batch.get("ref_logps"),
             kl_estimator=self.kl_estimator,
+            dual_clip=self.dual_clip,
         )
+        # the entropy of the response positions only (not a (B, T, V) pass over the prompts)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
+            ent = torch.zeros_like(logps)
+            ent[mask] = entropy(logits[mask])
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * ent
         total, count = aggregate(loss, mask, self.loss_agg, self.max_len)
         m = mask.float()
         # metrics are per response token whatever the aggregation: sums here, the token count below
-        metrics = {"clip_fraction": (per_token["clipped"] * m).sum(), "response_tokens": m.sum()}
+        metrics = {
+            "clip_fraction": (per_token["clipped"] * m).sum(),
+            "entropy": (ent.detach() * m).sum(),
+            "response_tokens": m.sum(),
+        }
         if "kl" in per_token:
             metrics["kl"] = (per_token["kl"] * m).sum()
         return LossOut(total, count, metrics)

@@ -189,14 +189,20 @@ class Trainer:
         if self.eval_batches is None:
             return None
         t0 = time.perf_counter()
-        got = self.unit.evaluate(self.eval_batches(), self.loss)
-        if got is None:
-            return None
-        val, _, metrics = got
-        rec = {"step": self.step, "val_loss": val}
-        if self.loss.perplexity:
-            rec["val_ppl"] = math.exp(min(val, 50.0))
-        rec.update({f"val_{k}": v for k, v in metrics.items()})
+        if hasattr(self.loader, "validate"):  # a policy's validation is its own (RL: rewards), not a loss
+            rec = {
+                "step": self.step,
+                **{f"val_{k}": v for k, v in self.loader.validate(self.eval_batches()).items()},
+            }
+        else:
+            got = self.unit.evaluate(self.eval_batches(), self.loss)
+            if got is None:
+                return None
+            val, _, metrics = got
+            rec = {"step": self.step, "val_loss": val}
+            if self.loss.perplexity:
+                rec["val_ppl"] = math.exp(min(val, 50.0))
+            rec.update({f"val_{k}": v for k, v in metrics.items()})
         rec["eval_s"] = time.perf_counter() - t0
         self.run.metrics.write(rec)
         self.last_val = rec
@@ -222,6 +228,8 @@ class Trainer:
         )
         dev.reset_peak_memory(self.device)
         with StopSignal() as stop, run.progress(t.max_steps, self.step) as bar:
+            if t.eval_at_start and self.step == 0:
+                self.report_eval(bar)
             while self.step < t.max_steps:
                 t0 = time.perf_counter()
                 micro = self.loader.next()
@@ -274,9 +282,11 @@ class Trainer:
             return
         rec = self.evaluate()
         if rec:
-            shown = [f"step {rec['step']:>6}", f"val_loss {rec['val_loss']:.4f}"]
+            shown = [f"step {rec['step']:>6}"]
+            shown += [f"val_loss {rec['val_loss']:.4f}"] if "val_loss" in rec else []
             shown += [f"val_ppl {rec['val_ppl']:.2f}"] if "val_ppl" in rec else []
-            shown += [f"val_{k} {rec[f'val_{k}']:.4g}" for k in self.loss.console if f"val_{k}" in rec]
+            console = (*self.loss.console, *getattr(self.loader, "console", ()))
+            shown += [f"val_{k} {rec[f'val_{k}']:.4g}" for k in console if f"val_{k}" in rec]
             bar.print(" | ".join(shown))
 
     def log_step(self, out: dict, window: dict, bar) -> None:

@@ -1,8 +1,8 @@
 """PPO's mathematics on rollouts (ladle/train/rollout.py), as plain functions; the clipped policy
 surrogate and the KL estimators are GRPO's (ladle/train/grpo.py).
 
-Per response token t of a response of length L (tensors (R, T) right-padded, `mask` marking the
-response tokens, which start at column 0):
+Per response token t of a response of length L (tensors (R, T), `mask` marking each row's
+response tokens, one contiguous run: after the prompt in a training row):
     reward     r_t = -kl_coef KL_t, plus the score of the whole response on its last token
     GAE        delta_t = r_t + gamma V_{t+1} - V_t (V_L = 0);  A_t = delta_t + gamma lam A_{t+1}
     returns    R_t = A_t + V_t, the value head's target
@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import torch
 
+from ladle.train.loss import IGNORE_INDEX, Loss, LossOut
+
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """(R, T): -kl_coef x KL per response token, plus each response's score (R,) on its last one."""
     r = -kl_coef * kl * mask
-    last = mask.sum(-1).long() - 1  # responses start at column 0
-    has = last >= 0
+    T = mask.shape[-1]
+    last = T - 1 - mask.flip(-1).long().argmax(-1)  # the last masked column
+    has = mask.any(-1)
     rows = torch.arange(len(scores), device=r.device)[has]
     r[rows, last[has]] += scores[has].to(r.dtype)
     return r
@@ -92,7 +95,7 @@ def entropy(logits: torch.Tensor, rows: int = 256) -> torch.Tensor:
     """The entropy of softmax(logits) at each position (..., V) -> (...), fp32, a chunk of rows at
     a time (no (N, V) fp32 copy of all the logits at once)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    out = []
+    out = [flat.new_zeros(0, dtype=torch.float32)]
     for s in range(0, flat.shape[0], rows):
         z = flat[s : s + rows].float()
         lse = torch.logsumexp(z, -1)
@@ -106,3 +109,51 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     r, v = returns[m].double(), values[m].double()
     var = r.var()
     return float(1 - (r - v).var() / var) if var > 0 else float("nan")
+
+
+class ValueLoss(Loss):
+    """The value model's loss on a batch of rollouts: its outputs (R, T, 1) at the positions that
+    predict a response token (`targets`) against `returns`, clipped around `old_values`; a mean
+    over response tokens. Metrics: `explained_variance` and `value_mean`."""
+
+    console = ("value_loss",)
+
+    def __init__(self, clip: float = 0.2):
+        self.clip = clip
+
+    def count(self, batch: dict):
+        return int((batch["targets"] != IGNORE_INDEX).sum())
+
+    def tokens(self, batch: dict) -> int:
+        return int(batch["lengths"].sum())
+
+    def forward(self, model, batch: dict):
+        return model(batch["tokens"])
+
+    def from_output(self, out, batch: dict) -> LossOut:
+        mask = batch["targets"] != IGNORE_INDEX
+        m = mask.float()
+        v = out[..., 0].float()
+        per = value_loss(v, batch["old_values"], batch["returns"], self.clip)
+        r = batch["returns"]
+        err = (r - v.detach()) * m
+        metrics = {  # the sums explained_variance is made of, over every rank's response tokens
+            "n": m.sum(),
+            "r": (r * m).sum(),
+            "r2": (r * r * m).sum(),
+            "e": err.sum(),
+            "e2": (err * err).sum(),
+            "v": (v.detach() * m).sum(),
+        }
+        return LossOut((per * m).sum(), mask.sum(), metrics)
+
+    def summarize(self, totals: dict, count: int, parts: int) -> dict:
+        t = {k: float(v) for k, v in totals.items()}
+        n = max(t["n"], 1.0)
+
+        def var(s, s2):  # unbiased, as explained_variance above
+            return (s2 - s * s / n) / max(n - 1, 1.0)
+
+        var_r = var(t["r"], t["r2"])
+        ev = 1 - var(t["e"], t["e2"]) / var_r if var_r > 0 else float("nan")
+        return {"explained_variance": ev, "value_mean": t["v"] / n}

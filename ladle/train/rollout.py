@@ -51,6 +51,11 @@ class Rollouts:
         for name in self.__dataclass_fields__:
             getattr(self, name).extend(getattr(other, name))
 
+    def subset(self, rows: list[int]) -> Rollouts:
+        return Rollouts(
+            **{name: [getattr(self, name)[k] for k in rows] for name in self.__dataclass_fields__}
+        )
+
 
 @dataclass
 class Sampling:
@@ -157,7 +162,7 @@ def logprob_diff(rollouts: Rollouts, logps: torch.Tensor, batch: dict) -> float:
     logps = logps.detach()
     mask = batch["targets"] != IGNORE_INDEX
     for k, lps in enumerate(rollouts.sample_logps):
-        if lps:
+        if lps and int(mask[k].sum()) == len(lps):  # a row masked out of the loss is not compared
             train = logps[k][mask[k]]
             worst = max(worst, float((train - torch.tensor(lps, dtype=train.dtype)).abs().max()))
     return worst
