@@ -282,6 +282,8 @@ def test_dynamic_sampling_keeps_groups_with_a_signal_and_refills(chat_tokenizer,
     )
     for r in recs:
         assert r["groups_kept"] == 1.0 and r["sampling_rounds"] >= 1 and r["grad_norm"] > 0
+        # one update per batch: the loss's forward is the sampling policy's, compared with sampling
+        assert 0 <= r["rollout_logprob_diff"] < 1e-4 and r["clip_fraction"] == 0
     # masking truncated responses out of the loss: with a cap of 2 tokens nearly all are cut
     cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "cut", max_response_len=2, mask_truncated=True)
     cfg["train"]["max_steps"] = 1
@@ -383,3 +385,34 @@ def test_real_model_configs_validate_for_their_world(name, capsys):
 
     assert main(["validate", "--config", name, "--no-paths", "--nproc", str(REAL[name])]) == 0
     assert f"layout for {REAL[name]} processes" in capsys.readouterr().err
+
+
+def test_token_budget_microbatches_change_the_passes_not_the_update(
+    chat_tokenizer, prompt_data, tmp_path, monkeypatch
+):
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    rows = []
+    real = PolicyLoss.forward
+    monkeypatch.setattr(
+        PolicyLoss, "forward", lambda self, m, b: rows.append(len(b["tokens"])) or real(self, m, b)
+    )
+
+    def run(out, **grpo):
+        rows.clear()
+        cfg = grpo_config(chat_tokenizer, prompt_data, out, **grpo)
+        cfg["train"]["max_steps"] = 2
+        assert load("grpo").run(build_config(cfg)) == "completed"
+        return [r for r in read_metrics(out) if "loss" in r], list(rows)
+
+    plain, passes = run(tmp_path / "plain")
+    assert passes == [8] * 4  # 2 steps x 2 microbatches of 2 prompts x 4 samples
+    # 4 rows of up to ~30 tokens a group: a budget of 150 padded tokens holds one group
+    budget, passes = run(tmp_path / "budget", micro_tokens=150)
+    assert passes == [4] * 8
+    for a, b in zip(plain, budget, strict=True):
+        assert b["reward_mean"] == a["reward_mean"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)

@@ -299,3 +299,19 @@ def test_decode_attention_groups_query_heads_as_rows(dtype, tol, monkeypatch):
     kk, vv = k.double().repeat_interleave(H // K, 1), v.double().repeat_interleave(H // K, 1)
     scores = (q.double() @ kk.transpose(-1, -2) / math.sqrt(D)).masked_fill(~mask, float("-inf"))
     torch.testing.assert_close(y.double(), scores.softmax(-1) @ vv, atol=tol, rtol=tol)
+
+
+def test_keep_computes_the_head_at_the_kept_positions_only():
+    from ladle.config.schema import ModelConfig
+    from ladle.models.llama import build_model
+
+    torch.manual_seed(3)
+    model = build_model(
+        ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
+    )
+    tokens = torch.randint(0, 64, (3, 10))
+    keep = torch.rand(3, 10, generator=torch.Generator().manual_seed(1)) > 0.5
+    full = model(tokens)
+    got = model(tokens, keep=keep)
+    assert got.shape == (int(keep.sum()), 64)
+    assert torch.allclose(got, full[keep], atol=1e-6)

@@ -455,3 +455,23 @@ def test_shared_placement_parks_the_idle_models(
     assert len(generate) == len(train) == 4  # 2 steps x 2 microbatches
     assert generate == [host] * 4 and train == [{**host, "critic": "device"}] * 4
     assert not parkings[-1].enabled  # a CPU run: the host is the device
+
+
+def test_ppo_token_budget_passes_keep_the_update(chat_tokenizer, prompt_data, tmp_path):
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    def run(out, **ppo):
+        cfg = ppo_config(chat_tokenizer, prompt_data, out, **ppo)
+        cfg["train"]["max_steps"] = 2
+        assert load("ppo").run(build_config(cfg)) == "completed"
+        return [r for r in read_metrics(out) if "loss" in r]
+
+    plain, budget = run(tmp_path / "plain"), run(tmp_path / "budget", micro_tokens=60)
+    for a, b in zip(plain, budget, strict=True):
+        for key in ("loss", "value_loss", "grad_norm", "critic_grad_norm", "reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    # with minibatches, each minibatch's share of the groups is cut into passes of its own
+    recs = run(tmp_path / "mini", micro_tokens=60, minibatches=2)
+    assert len(recs) == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in recs)

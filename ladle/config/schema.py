@@ -412,6 +412,12 @@ class RolloutConfig(Section):
         True,
         description="move whole groups between data-parallel ranks after generation to even their training tokens",
     )
+    micro_tokens: int = Field(
+        0,
+        ge=0,
+        description="training microbatches of at most this many padded tokens, rows of like length "
+        "together (whole groups); 0: one per prompt microbatch",
+    )
     offload_idle: bool = Field(
         True,
         description="on an accelerator, models a phase does not use wait in host memory (shared placement)",

@@ -312,6 +312,7 @@ class Llama(nn.Module):
         attention=None,
         logits_to_keep=0,
         at=None,
+        keep=None,
     ):
         """tokens (B, T) -> logits (B, T, vocab), or (B, logits_to_keep, vocab) for the last positions
         ((B, T, 1) scores with `head: score`).
@@ -328,6 +329,8 @@ class Llama(nn.Module):
         that position alone (keys and values of all), 1 / n_layers less work than scoring every
         position. Plain causal rows only, and not under tensor parallelism, whose sequence
         parallelism leaves each rank a slice of the positions.
+        keep (B, T) bool: the head at those positions only, (N, vocab) in row-major order: the RL
+        losses need the logits of response positions, not of the prompts (no TP, as `at`).
         """
         if at is not None and (cache is not None or attention is not None or doc_ids is not None):
             raise ValueError("at: plain causal rows only (no KV cache, documents or attention override)")
@@ -370,6 +373,8 @@ class Llama(nn.Module):
             cache.length += T
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # the norm is per position: norm then slice is the same
+        if keep is not None:
+            x = x[keep]  # (N, dim)
         x = self.norm(x)
         if self.cfg.head == "score":
             return self.score(x)  # (B, T, 1)

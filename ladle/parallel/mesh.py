@@ -252,10 +252,10 @@ class Parallel:
         """This rank's part of each sample under context parallelism (else the batch itself)."""
         return self.cp.shard(batch) if self.cp is not None else batch
 
-    def all_reduce_loss(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks whose tokens differ (token counts, loss sums)."""
+    def all_reduce_loss(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """Sum (or `op`) over the ranks whose tokens differ (token counts, loss sums)."""
         if self.loss_size > 1:
-            torch.distributed.all_reduce(t, group=self.loss_group)
+            torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM, group=self.loss_group)
         return t
 
     def submesh(self, *names: str):
@@ -265,10 +265,10 @@ class Parallel:
     def pp_group(self):
         return self.mesh["pp"].get_group() if self.layout.pp > 1 else None
 
-    def all_reduce_pp(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the pipeline stages (only the last one has the loss)."""
+    def all_reduce_pp(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """Sum (or `op`) over the pipeline stages (only the last one has the loss)."""
         if self.layout.pp > 1:
-            torch.distributed.all_reduce(t, group=self.pp_group)
+            torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM, group=self.pp_group)
         return t
 
     def loss_context(self):

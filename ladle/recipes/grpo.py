@@ -92,13 +92,8 @@ class Rollouts:
     ):
         cfg, tok = s.cfg, s.found["tokenizer"]
         self.inner, self.policy, self.reference, self.rewards = inner, s.unit.model, reference, rewards
-        self.reward_model, self.records, self.cfg, self.tok, self.device = (
-            reward_model,
-            records,
-            cfg,
-            tok,
-            s.device,
-        )
+        self.reward_model, self.records = reward_model, records
+        self.cfg, self.tok, self.device = cfg, tok, s.device
         self.section, self.reuse, self.minibatches = section, reuse, minibatches
         self.sampling = Sampling(
             n=section.num_samples,
@@ -117,7 +112,11 @@ class Rollouts:
         self.parking.add("reference", reference)
         self.parking.add("reward", reward_model)
         self.trained: tuple[str, ...] = ()  # parked models the training step needs back (PPO's critic)
+        # a batch trained on once, whole, needs no forward pass for its old log-probs: the loss
+        # takes its own, detached (PolicyLoss); PPO needs them before training (its KL reward)
+        self.old_logps = reuse > 1 or minibatches > 1
         self.cached: list[dict] | None = None
+        self.bounds: list[int] = []  # where each minibatch's microbatches start in `cached`
         self.uses = 0
         self.data_s = 0.0
         self.metrics: dict[str, float] = {}
@@ -154,8 +153,7 @@ class Rollouts:
         self.parking.unpark(*self.trained)
         k = self.uses % self.minibatches
         self.uses += 1
-        size = len(self.cached) // self.minibatches
-        return self.cached[k * size : (k + 1) * size]
+        return self.cached[self.bounds[k] : self.bounds[k + 1]]
 
     # rollouts ----------------------------------------------------------------------------------
     def sample(self, b: dict, step: int, split: str = "train"):
@@ -211,13 +209,26 @@ class Rollouts:
         chunks = [(r, rew, True) for r, rew, _ in sampled]
         dynamic = getattr(self.section, "dynamic_sampling", False)
         exchange = self.section.balance and dist.world_size() > 1
-        if dynamic or exchange:
+        budget, m = self.section.micro_tokens, self.minibatches
+        if dynamic or exchange or budget:
             groups = self.groups(chunks, 0)
             if dynamic:
                 groups, extra = self.refill(groups, parts)
             if exchange:
                 groups, extra["train_imbalance"] = self.exchange(groups)
-            chunks = self.spread(groups, len(chunks), fallback=chunks[0])
+            # each minibatch a share of the groups (in key order), cut into training passes
+            groups.sort(key=lambda g: g[0])
+            fallback, per_share, chunks = chunks[0], len(chunks) // m, []
+            self.bounds = [0]
+            for j in range(m):
+                share = groups[j * len(groups) // m : (j + 1) * len(groups) // m]
+                if budget:
+                    chunks += self.by_tokens(share, budget, fallback)
+                else:
+                    chunks += self.spread(share, per_share, fallback)
+                self.bounds.append(len(chunks))
+        else:
+            self.bounds = [j * len(chunks) // m for j in range(m + 1)]
         out, diffs = [], []
         for r, rew, live in chunks:
             batch = {k: v.to(self.device) for k, v in sequences(r, self.pad).items()}
@@ -230,17 +241,18 @@ class Rollouts:
                 batch["targets"][cut] = IGNORE_INDEX
             self.parking.unpark("reference", *self.trained)
             with torch.no_grad(), self.context():
-                batch["old_logps"] = response_logps(self.policy, batch, self.sampling.temperature)
+                if self.old_logps:
+                    batch["old_logps"] = response_logps(self.policy, batch, self.sampling.temperature)
+                    diffs.append(logprob_diff(r, batch["old_logps"], batch))
                 if self.reference is not None:
                     batch["ref_logps"] = response_logps(self.reference, batch, self.sampling.temperature)
                 self.score(batch)
             batch["scores"] = rew.float().to(self.device)
-            diffs.append(logprob_diff(r, batch["old_logps"], batch))
             out.append(batch)
         self.parking.park("reference")
         extra.update(self.advantages(out))
         gen_s = time.perf_counter() - t0
-        self.metrics = {**self._reduce(parts, max(diffs, default=0.0), gen_s), **extra}
+        self.metrics = {**self._reduce(parts, max(diffs) if diffs else None, gen_s), **extra}
         return out
 
     def groups(self, chunks: list, round_: int) -> list:
@@ -268,6 +280,38 @@ class Rollouts:
             for g in mine[1:]:
                 r.extend(g[1])
             out.append((r, torch.cat([g[2] for g in mine]), True))
+        return out
+
+    def by_tokens(self, groups: list, budget: int, fallback) -> list:
+        """This rank's groups cut into training microbatches of at most `budget` padded tokens
+        (rows x the longest row), shortest first, so rows of like length pad together (verl's
+        dynamic batch size). A group longer than the budget is a microbatch of its own. Every
+        rank runs as many microbatches as the rank that needs most (FSDP): the others split
+        their fullest ones, or train a placeholder on nothing."""
+
+        def longest(g) -> int:
+            return max(len(p) + len(x) for p, x in zip(g[1].prompt_ids, g[1].response_ids, strict=True))
+
+        bins: list[list] = []
+        rows = width = 0
+        for g in sorted(groups, key=lambda g: (longest(g), g[0])):
+            if not bins or (rows + len(g[1])) * max(width, longest(g)) > budget:
+                bins.append([])
+                rows = width = 0
+            bins[-1].append(g)
+            rows, width = rows + len(g[1]), max(width, longest(g))
+        dev = dist.collective_device()
+        k = int(dist.all_reduce_max(torch.tensor([max(len(bins), 1)], device=dev)).item())
+        while len(bins) < k:
+            fullest = max(range(len(bins)), key=lambda i: len(bins[i]), default=None)
+            if fullest is None or len(bins[fullest]) < 2:
+                bins.append([])
+                continue
+            b = bins.pop(fullest)
+            bins[fullest:fullest] = [b[: len(b) // 2], b[len(b) // 2 :]]
+        out = []
+        for b in bins:
+            out += self.spread(b, 1, fallback)
         return out
 
     def refill(self, groups: list, parts: dict) -> tuple[list, dict]:
@@ -336,18 +380,22 @@ class Rollouts:
             )
         return {}
 
-    def _reduce(self, parts: dict, diff: float, gen_s: float) -> dict:
-        """The means over every rank's responses; the largest log-prob difference and generation
-        time; the ranks' balance (max over mean of their generated tokens)."""
+    def _reduce(self, parts: dict, diff: float | None, gen_s: float) -> dict:
+        """The means over every rank's responses; the largest log-prob difference (None: the
+        loss reports it) and generation time; the ranks' balance (max over mean of their
+        generated tokens)."""
         dev = dist.collective_device()
         gen_tokens = float(sum(parts["response_len"]))
-        high = dist.all_reduce_max(torch.tensor([diff, gen_tokens, gen_s], dtype=torch.float64, device=dev))
+        high = dist.all_reduce_max(
+            torch.tensor([diff or 0.0, gen_tokens, gen_s], dtype=torch.float64, device=dev)
+        )
         diff_max, tokens_max, gen_s_max = high.tolist()
         out = means(parts)
         total = out["response_len_mean"] * out.pop("responses")
         mean_tokens = total / dist.world_size()
+        if diff is not None:
+            out["rollout_logprob_diff"] = diff_max
         out.update(
-            rollout_logprob_diff=diff_max,
             rollout_imbalance=tokens_max / mean_tokens if mean_tokens else 1.0,
             rollout_tokens_per_s=total / max(gen_s_max, 1e-9),
             gen_s=gen_s_max,

@@ -58,10 +58,12 @@ class PPORollouts(grpo_recipe.Rollouts):
         self.critic = critic.model
         self.parking.add("critic", critic.model, critic.optimizer)  # idle while the policy generates
         self.trained = ("critic",)
+        self.old_logps = True  # the KL in the reward needs them before training
 
     def score(self, batch: dict) -> None:
         mask = batch["targets"] != IGNORE_INDEX
-        batch["old_values"] = self.critic(batch["tokens"])[..., 0].float() * mask
+        values = self.critic(batch["tokens"], keep=mask)[:, 0].float()
+        batch["old_values"] = torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values)
 
     def advantages(self, batches: list[dict]) -> dict:
         p = self.section

@@ -140,7 +140,12 @@ class PolicyLoss(Loss):
     response, `targets` the response tokens (ladle/train/rollout.py `sequences`), `advantages` (R,)
     or (R, T), `old_logps` (R, T) of the sampling policy (0 off the response), and `ref_logps`
     (R, T) with a KL term. Metrics per response token: `kl`, `clip_fraction` and `entropy` (of
-    softmax(logits / T); with `entropy_coef` > 0 its bonus joins the loss)."""
+    softmax(logits / T); with `entropy_coef` > 0 its bonus joins the loss).
+
+    Without `old_logps` the batch is trained on once, right after it was sampled: the sampling
+    policy is the policy itself, and its log-probs are this forward's, detached (ratio 1, no
+    second forward pass to compute them). `rollout_logprob_diff` is then the largest difference
+    between them and the batch's `sample_logps`, over every rank."""
 
     console = ("kl", "clip_fraction")
 
@@ -181,16 +186,28 @@ class PolicyLoss(Loss):
         return int(batch["lengths"].sum())  # prompt + response, not the padding
 
     def forward(self, model, batch: dict):
-        return model(batch["tokens"])
+        return model(batch["tokens"], keep=batch["targets"] != IGNORE_INDEX)  # the responses' logits only
 
     def from_output(self, logits, batch: dict) -> LossOut:
+        """`logits` (N, V) of the response positions (`forward`), or (R, T, V) of every position."""
         if self.temperature not in (0, 1):
             logits = logits / self.temperature
         mask = batch["targets"] != IGNORE_INDEX
-        logps = token_logps(logits, batch["targets"])
+        if logits.dim() == 3:
+            logits = logits[mask]
+        logps = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+        logps = logps.masked_scatter(mask, token_logps(logits, batch["targets"][mask]))
+        old = batch.get("old_logps")
+        diff = None
+        if old is None:  # one update on fresh rollouts: the sampling policy is this one
+            old = logps.detach()
+            if "sample_logps" in batch:
+                diff = (
+                    ((old - batch["sample_logps"]).abs() * mask).amax() if mask.any() else old.new_zeros(())
+                )
         loss, per_token = policy_loss(
             logps,
-            batch["old_logps"],
+            old,
             batch["advantages"],
             mask,
             clip_low=self.clip_low,
@@ -203,8 +220,7 @@ class PolicyLoss(Loss):
         )
         # the entropy of the response positions only (not a (B, T, V) pass over the prompts)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
-            ent = torch.zeros_like(logps)
-            ent[mask] = entropy(logits[mask])
+            ent = torch.zeros_like(logps).masked_scatter(mask, entropy(logits))
         if self.entropy_coef:
             loss = loss - self.entropy_coef * ent
         total, count = aggregate(loss, mask, self.loss_agg, self.max_len)
@@ -217,8 +233,13 @@ class PolicyLoss(Loss):
         }
         if "kl" in per_token:
             metrics["kl"] = (per_token["kl"] * m).sum()
+        if diff is not None:
+            metrics["rollout_logprob_diff_max"] = diff
         return LossOut(total, count, metrics)
 
     def summarize(self, totals: dict, count: int, parts: int) -> dict:
         n = max(float(totals.pop("response_tokens", 0.0)), 1.0)
-        return {k: float(v) / n for k, v in totals.items()}
+        out = {k: float(v) / n for k, v in totals.items() if not k.endswith("_max")}
+        if "rollout_logprob_diff_max" in totals:
+            out["rollout_logprob_diff"] = float(totals["rollout_logprob_diff_max"])
+        return out

@@ -112,8 +112,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 class ValueLoss(Loss):
-    """The value model's loss on a batch of rollouts: its outputs (R, T, 1) at the positions that
-    predict a response token (`targets`) against `returns`, clipped around `old_values`; a mean
+    """The value model's loss on a batch of rollouts: its outputs at the positions that predict a
+    response token (`targets`) against `returns`, clipped around `old_values`; a mean
     over response tokens. Metrics: `explained_variance` and `value_mean`."""
 
     console = ("value_loss",)
@@ -128,11 +128,16 @@ class ValueLoss(Loss):
         return int(batch["lengths"].sum())
 
     def forward(self, model, batch: dict):
-        return model(batch["tokens"])
+        return model(batch["tokens"], keep=batch["targets"] != IGNORE_INDEX)  # (N, 1): the response positions
 
     def from_output(self, out, batch: dict) -> LossOut:
+        """`out` (N, 1) at the response positions (`forward`), or (R, T, 1) at every position."""
         mask = batch["targets"] != IGNORE_INDEX
         m = mask.float()
+        if out.dim() == 2:
+            out = torch.zeros(*mask.shape, 1, dtype=out.dtype, device=out.device).masked_scatter(
+                mask[..., None], out
+            )
         v = out[..., 0].float()
         per = value_loss(v, batch["old_values"], batch["returns"], self.clip)
         r = batch["returns"]

@@ -135,25 +135,33 @@ def rollout(
 
 def sequences(rollouts: Rollouts, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """The rows as a training batch: `tokens` (R, T) prompt + response, right-padded; `targets`
-    the response tokens at the positions that predict them (IGNORE_INDEX elsewhere); `lengths`."""
+    the response tokens at the positions that predict them (IGNORE_INDEX elsewhere); `lengths`;
+    `sample_logps` (R, T) the sampling-time log-probs at those positions (0 elsewhere)."""
     lengths = [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
     T = max(lengths)
     tokens = torch.full((len(lengths), T), pad_id, dtype=torch.long)
     targets = torch.full((len(lengths), T), IGNORE_INDEX, dtype=torch.long)
+    sampled = torch.zeros((len(lengths), T), dtype=torch.float32)
     for k, (p, r) in enumerate(zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)):
         seq = torch.tensor(p + r, dtype=torch.long)
         tokens[k, : len(seq)] = seq
         targets[k, len(p) - 1 : len(seq) - 1] = seq[len(p) :]
-    return {"tokens": tokens, "targets": targets, "lengths": torch.tensor(lengths)}
+        if k < len(rollouts.sample_logps) and len(rollouts.sample_logps[k]) == len(r):
+            sampled[k, len(p) - 1 : len(seq) - 1] = torch.tensor(rollouts.sample_logps[k])
+    return {"tokens": tokens, "targets": targets, "lengths": torch.tensor(lengths), "sample_logps": sampled}
 
 
 def response_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / T) of each response token under `model` (the training forward):
-    (R, T) fp32, 0 off the responses. Greedy sampling (T = 0) is scored at T = 1."""
-    logits = model(batch["tokens"])
+    (R, T) fp32, 0 off the responses. Greedy sampling (T = 0) is scored at T = 1. The head runs
+    at the response positions only."""
+    mask = batch["targets"] != IGNORE_INDEX
+    logits = model(batch["tokens"], keep=mask)
     if temperature not in (0, 1):
         logits = logits / temperature
-    return token_logps(logits, batch["targets"])
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    out[mask] = token_logps(logits, batch["targets"][mask])
+    return out
 
 
 def logprob_diff(rollouts: Rollouts, logps: torch.Tensor, batch: dict) -> float:

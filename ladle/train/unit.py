@@ -141,29 +141,34 @@ class TrainUnit:
 
     def _reduce(self, outs: list[LossOut]) -> tuple[float, dict]:
         """The loss sum and metric sums of the microbatches, summed over the ranks of the batch
-        (and the pipeline stages: only the last has them), in one all-reduce."""
+        (and the pipeline stages: only the last has them), in one all-reduce; a metric named
+        `*_max` (non-negative) is a maximum instead, in a second all-reduce."""
         shapes = {k: v.shape for k, v in outs[0].metrics.items()} if outs else {}
         if self.pipeline is not None:
             shapes = self._pipeline_shapes(shapes)
-        parts = [torch.zeros(1, device=self.device, dtype=torch.float64)]
-        if outs:
-            parts[0] += sum(o.sum.detach().double() for o in outs)
-        for k, shape in shapes.items():
-            parts.append(
-                sum(o.metrics[k].double() for o in outs).flatten()
-                if outs
-                else torch.zeros(math.prod(shape), device=self.device, dtype=torch.float64)
-            )
-        packed = torch.cat(parts)
-        self.parallel.all_reduce_pp(packed)
-        self.parallel.all_reduce_loss(packed)
-        packed = packed.cpu()
-        totals, at = {}, 1
-        for k, shape in shapes.items():
-            size = math.prod(shape)
-            totals[k] = packed[at : at + size].view(shape)
-            at += size
+        sums = {k: v for k, v in shapes.items() if not k.endswith("_max")}
+        maxes = {k: v for k, v in shapes.items() if k.endswith("_max")}
+        f64 = {"device": self.device, "dtype": torch.float64}
+
+        def mine(k: str, combine) -> torch.Tensor:  # zeros on a stage without the loss
+            if not outs:
+                return torch.zeros(math.prod(shapes[k]), **f64)
+            return combine(torch.stack([o.metrics[k].double().flatten() for o in outs]))
+
+        loss = sum(o.sum.detach().double() for o in outs) if outs else torch.zeros((), **f64)
+        packed = self._all_reduce(
+            torch.cat([loss.view(1).to(**f64), *(mine(k, lambda x: x.sum(0)) for k in sums)])
+        )
+        totals = _unpack(packed[1:], sums)
+        if maxes:
+            flat = torch.cat([mine(k, lambda x: x.amax(0)) for k in maxes])
+            totals.update(_unpack(self._all_reduce(flat, torch.distributed.ReduceOp.MAX), maxes))
         return float(packed[0]), totals
+
+    def _all_reduce(self, packed: torch.Tensor, op=None) -> torch.Tensor:
+        self.parallel.all_reduce_pp(packed, op)
+        self.parallel.all_reduce_loss(packed, op)
+        return packed.cpu()
 
     def _pipeline_shapes(self, mine: dict) -> dict:
         """The metric shapes the last stage's loss reports, told to the other stages once."""
@@ -200,3 +205,12 @@ class TrainUnit:
     def load_scalars(self, d: dict) -> None:
         self.scheduler.load_state_dict(d["scheduler"])
         self.precision.load_state_dict(d.get("loss_scaler", {}))
+
+
+def _unpack(flat: torch.Tensor, shapes: dict) -> dict:
+    out, at = {}, 0
+    for k, shape in shapes.items():
+        size = math.prod(shape)
+        out[k] = flat[at : at + size].view(shape)
+        at += size
+    return out
