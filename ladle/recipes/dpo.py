@@ -48,17 +48,18 @@ def pair_samples(cfg: LadleConfig, split: str, found, ref_logps=None) -> PairSam
 def setup(s: base.Setup):
     cfg = s.cfg
     multiple = pad_multiple(s.par.layout.tp)
+    head = {"multiple": multiple, "completions_only": s.par.layout.tp == 1}  # see pair_logps
     if cfg.dpo.loss == "simpo":
-        return base.Plan(pair_samples, DPOLoss(cfg.dpo, multiple=multiple))
+        return base.Plan(pair_samples, DPOLoss(cfg.dpo, **head))
     if cfg.dpo.reference == "online":
-        return base.Plan(pair_samples, DPOLoss(cfg.dpo, online_reference(s), multiple))
+        return base.Plan(pair_samples, DPOLoss(cfg.dpo, online_reference(s), **head))
     cached = reference.load(cfg)
     if cached is None:
         cached = compute_cache(s)
     else:
         s.run.events(f"reference log-probs: reused from {cfg.output_dir}/{reference.CACHE_DIR}")
     rows = lambda c, split, f: pair_samples(c, split, f, cached[split])  # noqa: E731
-    return base.Plan(rows, DPOLoss(cfg.dpo, multiple=multiple))
+    return base.Plan(rows, DPOLoss(cfg.dpo, **head))
 
 
 def online_reference(s: base.Setup):
@@ -67,9 +68,9 @@ def online_reference(s: base.Setup):
     if cfg.lora is not None and not cfg.lora.modules_to_save:
         s.run.events("reference: the policy with its adapters switched off (no second copy)")
 
-        def base_forward(tokens):
+        def base_forward(tokens, **kw):
             with adapters_disabled(policy):
-                return policy(tokens)
+                return policy(tokens, **kw)
 
         return base_forward
     ref = build_model(cfg, s.par, s.device, trainable=False).model

@@ -81,14 +81,25 @@ def per_row(batch: dict, value, multiple: int = 8) -> torch.Tensor:
     return out.view(B, 2, *out.shape[1:])
 
 
-def _row_logps(logits, targets) -> torch.Tensor:
-    lp = token_logps(logits, targets)  # (R, T), 0 where ignored
-    return torch.stack([lp.sum(-1), (targets != IGNORE_INDEX).sum(-1).to(lp.dtype)], -1)
+def _row_logps(model, tokens, targets, completions_only: bool) -> torch.Tensor:
+    mask = targets != IGNORE_INDEX
+    if completions_only:  # the head at the completion positions only: a prompt's logits are never read
+        lp = token_logps(model(tokens, keep=mask), targets[mask])
+        lp = torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, lp)
+    else:
+        lp = token_logps(model(tokens), targets)  # (R, T), 0 where ignored
+    return torch.stack([lp.sum(-1), mask.sum(-1).to(lp.dtype)], -1)
 
 
-def pair_logps(model, batch: dict, multiple: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed completion log-probs (B, 2), completion tokens (B, 2)) of `model` on a batch of pairs."""
-    v = per_row(batch, lambda tokens, targets, ends: _row_logps(model(tokens), targets), multiple)
+def pair_logps(
+    model, batch: dict, multiple: int = 8, completions_only: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed completion log-probs (B, 2), completion tokens (B, 2)) of `model` on a batch of
+    pairs. `completions_only`: the LM head runs at the completion positions alone (False under
+    tensor parallelism, whose sequence parallelism leaves each rank a slice of the positions)."""
+    v = per_row(
+        batch, lambda tokens, targets, ends: _row_logps(model, tokens, targets, completions_only), multiple
+    )
     return v[..., 0], v[..., 1].long()
 
 
@@ -140,16 +151,16 @@ class DPOLoss(PairLoss):
 
     console = ("reward_accuracy", "reward_margin")
 
-    def __init__(self, cfg: DPOConfig, reference=None, multiple: int = 8):
+    def __init__(self, cfg: DPOConfig, reference=None, multiple: int = 8, completions_only: bool = True):
         super().__init__(multiple)
-        self.cfg, self.reference = cfg, reference
+        self.cfg, self.reference, self.completions_only = cfg, reference, completions_only
 
     def __call__(self, model, batch: dict) -> LossOut:
         if self.reference is not None and self.cfg.loss != "simpo":
             with torch.no_grad():
-                ref, _ = pair_logps(self.reference, batch, self.multiple)
+                ref, _ = pair_logps(self.reference, batch, self.multiple, self.completions_only)
             batch = {**batch, "ref_logps": ref}
-        return self.from_logps(*pair_logps(model, batch, self.multiple), batch)
+        return self.from_logps(*pair_logps(model, batch, self.multiple, self.completions_only), batch)
 
     def from_output(self, logits, batch: dict) -> LossOut:
         return self.from_logps(*side_logps(logits, batch["targets"]), batch)

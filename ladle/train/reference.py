@@ -117,7 +117,7 @@ def compute(model, samples, par, micro_batch_size: int, device, context) -> np.n
         idx = [min(i, n - 1) for i in range(first, first + micro_batch_size)]
         b = {k: v.to(device) for k, v in collate([samples.get(i) for i in idx]).items()}
         with context():
-            lp, _ = pair_logps(model, b, pad_multiple(par.layout.tp))
+            lp, _ = pair_logps(model, b, pad_multiple(par.layout.tp), completions_only=par.layout.tp == 1)
         for j, i in enumerate(range(first, min(first + micro_batch_size, n))):
             out[i] = lp[j].double()
     model.train(was_training)
