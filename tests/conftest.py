@@ -147,3 +147,27 @@ def prompt_data(chat_tokenizer, tmp_path_factory):
             f.write(json.dumps({"prompt": "Sort: " + " ".join(w), "answer": " ".join(sorted(w))}) + "\n")
     prepare_prompts([d / "p.jsonl"], tokenizer=chat_tokenizer, output=d / "data", progress=False)
     return d / "data"
+
+
+def one_and_two_ranks(recipe: str, cfg: dict, tmp_path) -> tuple[list, list]:
+    """The step records of `cfg` run in this process (2 microbatches a step) and under FSDP on 2
+    ranks (1 each): the same global batch in two layouts (the RL tests' layout comparisons)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    cfg = {**cfg, "output_dir": str(tmp_path / "one")}
+    cfg["train"] = {**cfg["train"], "grad_accum_steps": 2, "threads": 1}
+    assert load(recipe).run(build_config(cfg)) == "completed"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "ladle", "run", recipe, "--config", str(path), "--nproc", "2"]
+    over = [f"output_dir={tmp_path / 'par'}", "parallel.dp_shard=2", "train.grad_accum_steps=1"]
+    r = subprocess.run([*cmd, *over], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return tuple([r for r in read_metrics(tmp_path / d) if "loss" in r] for d in ("one", "par"))

@@ -317,30 +317,14 @@ def test_grpo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic_sampling"])
 def test_grpo_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, tmp_path, dynamic):
-    import subprocess
-    import sys
-
-    import yaml
-
-    from ladle.config.load import build_config
-    from ladle.recipes import load
-    from ladle.train.metrics import read_metrics
+    from conftest import one_and_two_ranks
 
     # the same global batch (4 prompts x 4 samples): one process accumulates 2 microbatches of 2
     # prompts, two FSDP ranks take one each
     # dynamic sampling: the groups kept are chosen over all ranks, in (round, prompt) order
     extra = {"dynamic_sampling": True, "max_sampling_rounds": 4} if dynamic else {}
     cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "one", kl_coef=0.05, **extra)
-    cfg["train"].update({"grad_accum_steps": 2, "threads": 1})
-    assert load("grpo").run(build_config(cfg)) == "completed"
-    one = [r for r in read_metrics(tmp_path / "one") if "loss" in r]
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "ladle", "run", "grpo", "--config", str(path), "--nproc", "2"]
-    over = [f"output_dir={tmp_path / 'par'}", "parallel.dp_shard=2", "train.grad_accum_steps=1"]
-    r = subprocess.run([*cmd, *over], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    par = [r for r in read_metrics(tmp_path / "par") if "loss" in r]
+    one, par = one_and_two_ranks("grpo", cfg, tmp_path)
     assert len(par) == len(one) == 4
     for a, b in zip(one, par, strict=True):
         # the same responses (a function of their key, not of the layout), so the same rewards

@@ -381,28 +381,12 @@ def test_validation_is_the_rewards_on_held_out_prompts(chat_tokenizer, prompt_da
 
 @pytest.mark.slow
 def test_ppo_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, reward_folder, tmp_path):
-    import subprocess
-    import sys
-
-    import yaml
-
-    from ladle.config.load import build_config
-    from ladle.recipes import load
-    from ladle.train.metrics import read_metrics
+    from conftest import one_and_two_ranks
 
     # one process accumulates 2 microbatches, two FSDP ranks take one each: the same rollouts,
     # values, whitening (over both ranks) and updates of actor and critic
     cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "one", reward_folder, ppo_epochs=2)
-    cfg["train"].update({"grad_accum_steps": 2, "threads": 1})
-    assert load("ppo").run(build_config(cfg)) == "completed"
-    one = [r for r in read_metrics(tmp_path / "one") if "loss" in r]
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "ladle", "run", "ppo", "--config", str(path), "--nproc", "2"]
-    over = [f"output_dir={tmp_path / 'par'}", "parallel.dp_shard=2", "train.grad_accum_steps=1"]
-    r = subprocess.run([*cmd, *over], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    par = [r for r in read_metrics(tmp_path / "par") if "loss" in r]
+    one, par = one_and_two_ranks("ppo", cfg, tmp_path)
     assert len(par) == len(one) == 4
     for a, b in zip(one, par, strict=True):
         for key in ("reward_mean", "reward_model_mean", "response_len_mean"):
