@@ -287,6 +287,10 @@ class Rewards:
                 raise ConfigError(f"{where}: give the reward's `name`")
             if key in (k for k, _, _ in self.terms):
                 raise ConfigError(f"{where}: a second reward logged as {key!r}; give one a `key` of its own")
+            if model and key == "model":
+                raise ConfigError(
+                    f"{where}: the key 'model' is the reward model's (rewards.model); give this term another `key`"
+                )
             self.terms.append((key, weight, self._build(name, term, module, file, where)))
 
     @staticmethod

@@ -400,3 +400,20 @@ def test_token_budget_microbatches_change_the_passes_not_the_update(
         assert b["reward_mean"] == a["reward_mean"]
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kind,scale", [("grpo", "group"), ("grpo", "batch"), ("rloo", "batch"), ("reinforce_pp", "group")]
+)
+def test_batch_wide_advantages_are_over_the_global_batch(kind, scale):
+    # a step's rows in two microbatches (or on two ranks) get the advantages of the whole batch
+    from types import SimpleNamespace
+
+    from ladle.recipes.grpo import Rollouts
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 1.0, 0.0, 3.0, 1.0, 1.0, 0.0, 0.25])
+    batches = [{"scores": rewards[:4]}, {"scores": rewards[4:]}]
+    me = SimpleNamespace(section=SimpleNamespace(num_samples=2, advantage=kind, scale=scale), device="cpu")
+    Rollouts.advantages(me, batches)
+    got = torch.cat([b["advantages"] for b in batches])
+    assert torch.allclose(got, advantages(rewards, 2, kind, scale), atol=1e-6)

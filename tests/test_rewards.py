@@ -133,6 +133,12 @@ def test_config_errors_name_the_term(terms, message):
         Rewards(terms)
 
 
+def test_with_a_reward_model_terms_may_be_empty_but_not_take_its_key():
+    assert Rewards([], model=True)("a", {}, **CTX) == (0, {})
+    with pytest.raises(ConfigError, match=r"rewards.terms\[0\]: the key 'model' is the reward model's"):
+        Rewards([{"name": "exact", "key": "model"}], model=True)
+
+
 def test_a_record_without_the_field_is_named():
     with pytest.raises(
         DataError, match="reward 'math' reads the field 'answer', which a prompt record lacks"

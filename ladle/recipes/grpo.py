@@ -27,7 +27,7 @@ from ladle.prelaunch import resolve_init_from
 from ladle.recipes import base
 from ladle.rewards import Rewards
 from ladle.train.builder import build_model
-from ladle.train.grpo import PolicyLoss, advantages
+from ladle.train.grpo import EPS, PolicyLoss, advantages
 from ladle.train.loss import IGNORE_INDEX
 from ladle.train.offload import Parking
 from ladle.train.rollout import Sampling, balance, imbalance, logprob_diff, response_logps, rollout, sequences
@@ -372,12 +372,36 @@ class Rollouts:
         """More of a batch's forward-only scores (PPO: the value model's), in place."""
 
     def advantages(self, batches: list[dict]) -> dict:
-        """GRPO's: within each prompt's group of samples (a microbatch holds whole groups)."""
+        """GRPO's: within each prompt's group of samples (a microbatch holds whole groups). What
+        is taken over the batch (`scale: batch`'s std, REINFORCE++'s whitening) is over the
+        global batch, every rank's rows, so any layout gives the same advantages."""
         g = self.section
-        for batch in batches:
-            batch["advantages"] = advantages(batch["scores"].cpu(), g.num_samples, g.advantage, g.scale).to(
-                self.device
+        batch_wide = g.scale == "batch" or g.advantage == "reinforce_pp"
+        scale = "none" if batch_wide else g.scale
+        # reinforce_pp: the centred rewards, whitened below; the others: centred (and rloo's factor)
+        local = [
+            advantages(
+                b["scores"].cpu(),
+                g.num_samples,
+                "grpo" if g.advantage == "reinforce_pp" else g.advantage,
+                scale,
             )
+            for b in batches
+        ]
+        if batch_wide:
+            vals = torch.cat(
+                local if g.advantage == "reinforce_pp" else [b["scores"].cpu() for b in batches]
+            ).double()
+            stats = torch.tensor(
+                [float(len(vals)), float(vals.sum()), float((vals * vals).sum())], dtype=torch.float64
+            )
+            n, s1, s2 = dist.all_reduce_sum(stats.to(dist.collective_device())).tolist()
+            mean = s1 / max(n, 1.0)
+            std = max((s2 - n * mean * mean) / (n - 1), 0.0) ** 0.5 if n > 1 else 0.0
+            shift = mean if g.advantage == "reinforce_pp" else 0.0
+            local = [(a - shift) / (std + EPS) for a in local]
+        for b, a in zip(batches, local, strict=True):
+            b["advantages"] = a.float().to(self.device)
         return {}
 
     def _reduce(self, parts: dict, diff: float | None, gen_s: float) -> dict:
