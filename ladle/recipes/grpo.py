@@ -203,8 +203,7 @@ class Rollouts:
         sampled = [self.sample(b, step) for b in micro]
         parts: dict[str, list] = {}
         for _, _, terms in sampled:
-            for k, v in terms.items():
-                parts.setdefault(k, []).extend(v)
+            collect(parts, terms)
         extra = {}
         chunks = [(r, rew, True) for r, rew, _ in sampled]
         dynamic = getattr(self.section, "dynamic_sampling", False)
@@ -232,9 +231,8 @@ class Rollouts:
         out, diffs = [], []
         for r, rew, live in chunks:
             batch = {k: v.to(self.device) for k, v in sequences(r, self.pad).items()}
-            if (
-                not live
-            ):  # a placeholder: every rank runs as many microbatches (FSDP), this one trains nothing
+            if not live:
+                # a placeholder: every rank runs as many microbatches (FSDP), this one trains nothing
                 batch["targets"].fill_(IGNORE_INDEX)
             elif getattr(self.section, "mask_truncated", False):  # DAPO's overlong filtering
                 cut = torch.tensor([not f for f in r.finished], device=self.device)
@@ -290,7 +288,7 @@ class Rollouts:
         their fullest ones, or train a placeholder on nothing."""
 
         def longest(g) -> int:
-            return max(len(p) + len(x) for p, x in zip(g[1].prompt_ids, g[1].response_ids, strict=True))
+            return max(g[1].lengths())
 
         bins: list[list] = []
         rows = width = 0
@@ -331,8 +329,7 @@ class Rollouts:
             step = self.inner.consumed_samples // max(target, 1)
             more = [self.sample(b, step) for b in self.inner.next()]
             for _, _, terms in more:
-                for k, v in terms.items():
-                    parts.setdefault(k, []).extend(v)
+                collect(parts, terms)
             groups = groups + self.groups([(r, rew, True) for r, rew, _ in more], rounds)
             rounds += 1
         everyone = sorted(k for keys in dist.all_gather_objects([g[0] for g in mine]) for k in keys)
@@ -348,10 +345,7 @@ class Rollouts:
         imbalance after the move (max over mean of the ranks' tokens)."""
         every = [g for mine in dist.all_gather_objects(groups) for g in mine]
         every.sort(key=lambda g: g[0])
-        costs = [
-            sum(len(p) + len(x) for p, x in zip(g[1].prompt_ids, g[1].response_ids, strict=True))
-            for g in every
-        ]
+        costs = [sum(g[1].lengths()) for g in every]
         plan = balance(costs, dist.world_size())
         loads = [float(sum(costs[k] for k in rows)) for rows in plan]
         return [every[k] for k in plan[dist.rank()]], imbalance(loads)
@@ -363,8 +357,7 @@ class Rollouts:
         `response_len_mean`, over every rank."""
         parts: dict[str, list] = {"reward": [], "response_len": []}
         for b in batches:
-            for k, v in self.sample(b, VALIDATION_STEP, "val")[2].items():
-                parts.setdefault(k, []).extend(v)
+            collect(parts, self.sample(b, VALIDATION_STEP, "val")[2])
         self.parking.unpark(*self.trained)
         return means(parts)
 
@@ -389,17 +382,10 @@ class Rollouts:
             for b in batches
         ]
         if batch_wide:
-            vals = torch.cat(
-                local if g.advantage == "reinforce_pp" else [b["scores"].cpu() for b in batches]
-            ).double()
-            stats = torch.tensor(
-                [float(len(vals)), float(vals.sum()), float((vals * vals).sum())], dtype=torch.float64
-            )
-            n, s1, s2 = dist.all_reduce_sum(stats.to(dist.collective_device())).tolist()
-            mean = s1 / max(n, 1.0)
-            std = max((s2 - n * mean * mean) / (n - 1), 0.0) ** 0.5 if n > 1 else 0.0
+            vals = local if g.advantage == "reinforce_pp" else [b["scores"].cpu() for b in batches]
+            _, mean, var = global_moments(torch.cat(vals))
             shift = mean if g.advantage == "reinforce_pp" else 0.0
-            local = [(a - shift) / (std + EPS) for a in local]
+            local = [(a - shift) / (var**0.5 + EPS) for a in local]
         for b, a in zip(batches, local, strict=True):
             b["advantages"] = a.float().to(self.device)
         return {}
@@ -428,6 +414,21 @@ class Rollouts:
 
 
 VALIDATION_STEP = -1  # the key of validation's random streams: the same responses at every validation
+
+
+def collect(parts: dict[str, list], terms: dict[str, list]) -> None:
+    """Appends a microbatch's per-response values to the step's, by key."""
+    for k, v in terms.items():
+        parts.setdefault(k, []).extend(v)
+
+
+def global_moments(values: torch.Tensor) -> tuple[float, float, float]:
+    """(count, mean, unbiased variance) of `values` over every rank: one all-reduce."""
+    v = values.double().cpu()
+    stats = torch.tensor([float(v.numel()), float(v.sum()), float((v * v).sum())], dtype=torch.float64)
+    n, s1, s2 = dist.all_reduce_sum(stats.to(dist.collective_device())).tolist()
+    mean = s1 / max(n, 1.0)
+    return n, mean, max((s2 - n * mean * mean) / (n - 1), 0.0) if n > 1 else 0.0
 
 
 def means(parts: dict[str, list]) -> dict:
@@ -486,16 +487,19 @@ def scorer_config(cfg: LadleConfig, path: str | None, where: str = "rewards.mode
     )
 
 
+def frozen_reference(s: base.Setup, section: str):
+    """The KL's reference: a frozen copy of the starting weights, laid out like the policy."""
+    s.run.events(
+        f"reference: a frozen copy of the starting weights, laid out like the policy ({section}.kl_coef > 0)"
+    )
+    return build_model(s.cfg, s.par, s.device, trainable=False).model
+
+
 def setup(s: base.Setup):
     cfg = s.cfg
     rewards, records, reward_model = load_rewards(s)
     g = cfg.grpo
-    reference = None
-    if g.kl_coef > 0:
-        reference = build_model(cfg, s.par, s.device, trainable=False).model
-        s.run.events(
-            "reference: a frozen copy of the starting weights, laid out like the policy (grpo.kl_coef > 0)"
-        )
+    reference = frozen_reference(s, "grpo") if g.kl_coef > 0 else None
     loss = PolicyLoss(
         clip_low=g.clip_low,
         clip_high=g.clip_high,

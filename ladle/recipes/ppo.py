@@ -67,7 +67,7 @@ class PPORollouts(grpo_recipe.Rollouts):
 
     def advantages(self, batches: list[dict]) -> dict:
         p = self.section
-        kl_sum, stats = 0.0, torch.zeros(3, dtype=torch.float64)
+        kl_sum, adv = 0.0, []
         for b in batches:
             mask = b["targets"] != IGNORE_INDEX
             kl = torch.zeros_like(b["old_logps"])
@@ -76,17 +76,14 @@ class PPORollouts(grpo_recipe.Rollouts):
                 kl_sum += float(kl.sum())
             rewards = token_rewards(b["scores"], kl, mask, p.kl_coef)
             b["advantages"], b["returns"] = gae(rewards, b["old_values"], mask, p.gamma, p.lam)
-            adv = b["advantages"][mask].double()
-            stats += torch.stack([adv.new_tensor(float(mask.sum())), adv.sum(), (adv * adv).sum()]).cpu()
+            adv.append(b["advantages"][mask])
         # whitened over every rank's response tokens: the same batch on any layout whitens alike
-        n, s, s2 = dist.all_reduce_sum(stats.to(dist.collective_device())).tolist()
+        n, mean, var = grpo_recipe.global_moments(torch.cat(adv))
         kl_total = float(
             dist.all_reduce_sum(torch.tensor([kl_sum], dtype=torch.float64, device=dist.collective_device()))
         )
         if p.whiten_advantages and n > 1:
-            mean = s / n
-            var = (s2 - n * mean * mean) / (n - 1)
-            inv = 1.0 / (max(var, 0.0) + 1e-8) ** 0.5
+            inv = 1.0 / (var + 1e-8) ** 0.5
             for b in batches:
                 mask = b["targets"] != IGNORE_INDEX
                 b["advantages"] = (b["advantages"] - mean) * inv * mask
@@ -117,12 +114,7 @@ class PPOTrainer(Trainer):
 def setup(s: base.Setup):
     cfg, p = s.cfg, s.cfg.ppo
     rewards, records, reward_model = grpo_recipe.load_rewards(s)
-    reference = None
-    if p.kl_coef > 0:
-        reference = build_model(cfg, s.par, s.device, trainable=False).model
-        s.run.events(
-            "reference: a frozen copy of the starting weights, laid out like the policy (ppo.kl_coef > 0)"
-        )
+    reference = grpo_recipe.frozen_reference(s, "ppo") if p.kl_coef > 0 else None
     critic_path = p.critic_init or cfg.rewards.model
     optim = cfg.optim.model_copy(update={"lr": p.critic_lr or cfg.optim.lr}).model_dump()
     critic_cfg = grpo_recipe.scorer_config(cfg, critic_path, optim=optim)

@@ -51,6 +51,10 @@ class Rollouts:
         for name in self.__dataclass_fields__:
             getattr(self, name).extend(getattr(other, name))
 
+    def lengths(self) -> list[int]:
+        """Each row's tokens: prompt + response."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids, strict=True)]
+
     def subset(self, rows: list[int]) -> Rollouts:
         return Rollouts(
             **{name: [getattr(self, name)[k] for k in rows] for name in self.__dataclass_fields__}
@@ -137,7 +141,7 @@ def sequences(rollouts: Rollouts, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """The rows as a training batch: `tokens` (R, T) prompt + response, right-padded; `targets`
     the response tokens at the positions that predict them (IGNORE_INDEX elsewhere); `lengths`;
     `sample_logps` (R, T) the sampling-time log-probs at those positions (0 elsewhere)."""
-    lengths = [len(p) + len(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)]
+    lengths = rollouts.lengths()
     T = max(lengths)
     tokens = torch.full((len(lengths), T), pad_id, dtype=torch.long)
     targets = torch.full((len(lengths), T), IGNORE_INDEX, dtype=torch.long)
