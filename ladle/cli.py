@@ -48,7 +48,8 @@ def cmd_validate(args) -> int:
     from ladle.config.load import config_hash, load_config, to_yaml
     from ladle.prelaunch import check
 
-    found = check(load_config(args.config, args.overrides), world=args.nproc, paths=not args.no_paths)
+    cfg = load_config(args.config, args.overrides)
+    found = check(cfg, args.recipe, world=args.nproc, paths=not args.no_paths)
     cfg, lay = found.cfg, found.layout
     if lay is not None:
         print(f"# layout for {args.nproc} processes: {lay.describe()}", file=sys.stderr)
@@ -417,6 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-paths", action="store_true", help="check the schema only, not tokenizer and data")
     s.add_argument(
         "--nproc", type=int, default=0, help="also check the parallel layout for this many processes in all"
+    )
+    s.add_argument(
+        "--recipe",
+        choices=RECIPES,
+        help="also the recipe's own checks: its data task, the models it reads, what its layout may be "
+        "(a separated placement's groups)",
     )
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_validate)

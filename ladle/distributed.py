@@ -40,12 +40,14 @@ def collective_device() -> torch.device:
     return _device
 
 
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def rank(group=None) -> int:
+    """This process's rank in `group` (None: the world)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def world_size(group=None) -> int:
+    """The ranks of `group` (None: the world)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def local_rank() -> int:
@@ -61,29 +63,32 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+# The collectives below take a `group` (None: the world): the RL recipes' separated placement
+# runs each group of ranks' rollout bookkeeping over that group alone (ladle/parallel/mesh.py).
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    if world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    if world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+def all_reduce_max(t: torch.Tensor, group=None) -> torch.Tensor:
+    if world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 
-def all_gather_objects(obj) -> list:
+def all_gather_objects(obj, group=None) -> list:
     """Every rank's `obj` (picklable), in rank order."""
-    if world_size() == 1:
+    n = world_size(group)
+    if n == 1:
         return [obj]
-    out = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * n
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
+def any_rank(flag: bool, device: torch.device, group=None) -> bool:
     """True on every rank when it is true on one (e.g. a SIGTERM that reached one rank)."""
-    if world_size() == 1:
+    if world_size(group) == 1:
         return flag
-    return bool(all_reduce_max(torch.tensor([int(flag)], device=device)).item())
+    return bool(all_reduce_max(torch.tensor([int(flag)], device=device), group).item())

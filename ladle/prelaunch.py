@@ -53,23 +53,33 @@ def check(cfg: LadleConfig, recipe: str | None = None, world: int = 0, paths: bo
     """The config as every process will see it: `init_from` resolved, tokenizer and data checked
     against each other, the model and the recipe's data task (unless paths=False: they exist only
     on the cluster), and the parallel layout for `world` processes (when given)."""
-    from ladle.parallel.mesh import check_layout
+    from ladle.parallel.mesh import check_layout, role_world
 
     found = Checked(cfg)
     if paths:
         found.cfg = cfg = resolve_config(cfg)
         found.tokenizer = check_tokenizer(cfg)
         found.meta = check_data(cfg, found.tokenizer)
-        if recipe is not None:
-            check_data_task(cfg, recipe, found.meta)
-    if world:
-        found.layout = check_layout(cfg, world)
-        if recipe is not None:  # what a recipe cannot run on (the pair recipes: pp, cp)
-            from ladle.recipes import load
+    module = None
+    if recipe is not None:
+        from ladle.recipes import load
 
-            layout_check = getattr(load(recipe), "check_layout", None)
-            if layout_check:
-                layout_check(cfg, found.layout)
+        module = load(recipe)
+    if paths and module is not None:
+        check_data_task(cfg, recipe, found.meta)
+        check_paths = getattr(module, "check_paths", None)  # the other models a recipe reads
+        if check_paths:
+            check_paths(cfg)
+    if world:
+        roles = 1
+        placement = getattr(module, "placement", None)  # (groups of ranks, what they hold) or None
+        if placement and placement(cfg):
+            roles, why = placement(cfg)
+            role_world(cfg, world, roles, why)
+        found.layout = check_layout(cfg, world, roles)
+        layout_check = getattr(module, "check_layout", None)
+        if layout_check:  # what a recipe cannot run on (the pair recipes: pp, cp)
+            layout_check(cfg, found.layout)
     return found
 
 

@@ -360,15 +360,21 @@ def test_grpo_resume_equals_an_uninterrupted_run(chat_tokenizer, prompt_data, tm
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
 
-REAL = {"rl/qwen2.5-1.5b-grpo-math-1dev": 1, "rl/qwen3-8b-grpo-8dev": 8}
+REAL = {  # (recipe, world, layout)
+    "rl/qwen2.5-1.5b-grpo-math-1dev": ("grpo", 1, "one process"),
+    "rl/qwen3-8b-grpo-8dev": ("grpo", 8, "dp_shard=8 (FSDP2)"),
+    "rl/qwen2.5-7b-ppo-16dev": ("ppo", 16, "2 groups of dp_shard=8 (FSDP2)"),  # separated placement
+}
 
 
 @pytest.mark.parametrize("name", REAL)
 def test_real_model_configs_validate_for_their_world(name, capsys):
     from ladle.cli import main
 
-    assert main(["validate", "--config", name, "--no-paths", "--nproc", str(REAL[name])]) == 0
-    assert f"layout for {REAL[name]} processes" in capsys.readouterr().err
+    recipe, world, layout = REAL[name]
+    args = ["validate", "--config", name, "--no-paths", "--nproc", str(world), "--recipe", recipe]
+    assert main(args) == 0
+    assert f"layout for {world} processes: {layout}\n" in capsys.readouterr().err
 
 
 def test_token_budget_microbatches_change_the_passes_not_the_update(
@@ -413,7 +419,9 @@ def test_batch_wide_advantages_are_over_the_global_batch(kind, scale):
 
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 1.0, 0.0, 3.0, 1.0, 1.0, 0.0, 0.25])
     batches = [{"scores": rewards[:4]}, {"scores": rewards[4:]}]
-    me = SimpleNamespace(section=SimpleNamespace(num_samples=2, advantage=kind, scale=scale), device="cpu")
+    me = SimpleNamespace(
+        section=SimpleNamespace(num_samples=2, advantage=kind, scale=scale), device="cpu", group=None
+    )
     Rollouts.advantages(me, batches)
     got = torch.cat([b["advantages"] for b in batches])
     assert torch.allclose(got, advantages(rewards, 2, kind, scale), atol=1e-6)

@@ -244,7 +244,7 @@ def test_ppo_whitening_is_over_the_whole_batch(chat_tokenizer, prompt_data, tmp_
             }
         )
     section = SimpleNamespace(kl_estimator="k1", kl_coef=0.1, gamma=1.0, lam=0.95, whiten_advantages=True)
-    me = SimpleNamespace(section=section, reference=None)
+    me = SimpleNamespace(section=section, reference=None, group=None)
     raw = []
     for b in batches:
         mask = b["targets"] != -100
@@ -297,6 +297,24 @@ def test_ppo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, reward_fo
     refused(
         ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", dual_clip=0.5),
         "ppo.dual_clip=0.5: must be above 1",
+    )
+    # a separated placement on too few ranks: how many it needs, before anything is written
+    refused(
+        ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", placement="separated"),
+        "ppo.placement=separated puts the actor and reference on one group of ranks and the critic and "
+        "reward model on another: it needs a multiple of 2 ranks",
+    )
+    assert not (tmp_path / "r").exists()
+    path.write_text(
+        yaml.safe_dump(ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", placement="separated"))
+    )
+    args = ["validate", "--config", str(path), "--recipe", "ppo", "parallel.dp_shard=2"]
+    assert main([*args, "--nproc", "4"]) == 0
+    assert "layout for 4 processes: 2 groups of dp_shard=2 (FSDP2)" in capsys.readouterr().err
+    assert main([*args, "--nproc", "2"]) == 2
+    assert (
+        "it needs 4 ranks, 2 groups of parallel.dp_replicate x dp_shard x tp x pp x cp = 2, but 2 were "
+        in (capsys.readouterr().err)
     )
     cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", critic_init=str(tmp_path / "nowhere"))
     refused(cfg, f"ppo.critic_init={tmp_path / 'nowhere'}")
@@ -459,3 +477,55 @@ def test_ppo_token_budget_passes_keep_the_update(chat_tokenizer, prompt_data, tm
     # with minibatches, each minibatch's share of the groups is cut into passes of its own
     recs = run(tmp_path / "mini", micro_tokens=60, minibatches=2)
     assert len(recs) == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in recs)
+
+
+def test_separated_placement_gives_the_shared_updates_and_resumes(
+    chat_tokenizer, prompt_data, reward_folder, tmp_path
+):
+    # the actor and reference on rank 0, the critic and reward model on rank 1 (the rows, values,
+    # scores and the critic's record cross between them): every step equals the run with all
+    # models in one process, and a run cut at step 2 and resumed (the checkpoint holds the
+    # actor's part from rank 0 and the critic's from rank 1) equals the uninterrupted one
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "shared", reward_folder, ppo_epochs=2)
+    cfg["train"].update({"threads": 1})
+    cfg["checkpoint"] = {"every": 2, "keep_last": 2}
+    assert load("ppo").run(build_config(cfg)) == "completed"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+
+    def separated(out, *extra):
+        cmd = [sys.executable, "-m", "ladle", "run", "ppo", "--config", str(path)]
+        nproc = [] if "--nproc" in extra else ["--nproc", "2"]
+        over = [*nproc, f"output_dir={tmp_path / out}", "ppo.placement=separated", *extra]
+        r = subprocess.run([*cmd, *over], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return [r for r in read_metrics(tmp_path / out) if "loss" in r]
+
+    shared = [r for r in read_metrics(tmp_path / "shared") if "loss" in r]
+    sep = separated("sep")
+    assert len(sep) == len(shared) == 4
+    for a, b in zip(shared, sep, strict=True):
+        for key in ("reward_mean", "reward_model_mean", "response_len_mean", "rollout_logprob_diff"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), (a["step"], key)
+        for key in ("loss", "value_loss", "kl", "explained_variance", "grad_norm", "critic_grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    # two FSDP ranks a group: each group's collectives stay within it, the pairs line up
+    for a, b in zip(shared, separated("sep4", "--nproc", "4", "train.grad_accum_steps=1"), strict=True):
+        for key in ("loss", "value_loss", "kl", "grad_norm", "critic_grad_norm", "reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    separated("cut", "train.exit_at_step=2")
+    cut = separated("cut", "train.resume=auto")
+    cut = [r for r in cut if r["step"] > 2]
+    assert [r["step"] for r in cut] == [3, 4]
+    for a, b in zip(sep[2:], cut, strict=True):  # the critic, its optimizer and schedule came back
+        for key in ("loss", "grad_norm", "value_loss", "critic_grad_norm", "kl", "reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)

@@ -496,6 +496,12 @@ class PPOConfig(RolloutConfig):
         "null: rewards.model if set, else the policy's model.init_from with a new value head",
     )
     critic_lr: float | None = Field(None, gt=0, description="the value model's learning rate; null: optim.lr")
+    placement: Literal["shared", "separated"] = Field(
+        "shared",
+        description="shared: every model on every rank (idle ones parked: offload_idle); separated: the "
+        "actor and reference on half the ranks, the critic and reward model on the other half, each "
+        "half laid out by parallel.*",
+    )
 
     @model_validator(mode="after")
     def _dual_clip(self):

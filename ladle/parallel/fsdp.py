@@ -50,7 +50,9 @@ def apply_fsdp(
     return model
 
 
-def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+def apply_ddp(model: nn.Module, device: torch.device, group=None) -> nn.Module:
+    """DDP over `group` (the data-parallel ranks; None: the world)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type != "cpu" else None)
+    ids = [device.index] if device.type != "cpu" else None
+    return DistributedDataParallel(model, device_ids=ids, process_group=group)

@@ -7,6 +7,11 @@ slice of each global batch; the ranks of one TP (or PP, CP) group read the same 
 ranks of a CP group then split each sample's tokens (ladle/parallel/cp.py), so weights are
 sharded, and gradients averaged, over `dp_shard x cp` (torchtitan's `dp_shard_cp`).
 
+With the RL recipes' separated placement (`ppo.placement: separated`) the world is `roles` = 2
+groups of ranks, each laid out as `parallel.*` says: the mesh gets an outermost `role` dimension,
+every other dimension (and so every group above) stays within a role, and `role` pairs rank i of
+one group with rank i of the other (ladle/train/placement.py).
+
 `check_layout` runs before any process starts (`ladle run --nproc`, `ladle launch slurm`,
 `ladle validate --nproc N`) and again in each process; it refuses what does not divide, with the
 arithmetic in the message.
@@ -15,7 +20,7 @@ arithmetic in the message.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,9 +42,11 @@ class Layout:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    roles: int = 1  # groups of ranks laid out alike (separated placement: 2)
 
     @property
     def world(self) -> int:
+        """The ranks of one group (all of them without a separated placement)."""
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
@@ -61,7 +68,8 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{d}={getattr(self, d)}" for d in (*DIMS, "ep") if getattr(self, d) > 1]
         kind = "FSDP2" if self.fsdp else "DDP" if self.dp > 1 else None
-        return (", ".join(parts) or "one process") + (f" ({kind})" if kind else "")
+        text = (", ".join(parts) or "one process") + (f" ({kind})" if kind else "")
+        return f"{self.roles} groups of {text}" if self.roles > 1 else text
 
 
 def resolve_layout(cfg: LadleConfig, world: int) -> Layout:
@@ -84,9 +92,32 @@ def resolve_layout(cfg: LadleConfig, world: int) -> Layout:
     return Layout(p.dp_replicate, shard, p.tp, p.pp, p.cp, p.ep)
 
 
-def check_layout(cfg: LadleConfig, world: int) -> Layout:
-    """The layout for `world` processes, or a ConfigError that says what to change."""
-    lay = resolve_layout(cfg, world)
+def role_world(cfg: LadleConfig, world: int, roles: int, why: str) -> int:
+    """The ranks of each of `roles` groups laid out by `parallel.*` in a world of `world`, or a
+    ConfigError naming how many ranks the placement needs (`why`: what the groups hold)."""
+    p = cfg.parallel
+    others = p.dp_replicate * p.tp * p.pp * p.cp
+    if p.dp_shard != -1:  # fixed degrees: exactly roles x their product
+        need = roles * others * p.dp_shard
+        if world != need:
+            raise ConfigError(
+                f"{why}: it needs {need} ranks, {roles} groups of parallel.dp_replicate x dp_shard x tp x pp x cp "
+                f"= {need // roles}, but {world} were launched; launch {need} (--nproc) or change parallel.*"
+            )
+    elif world < roles * others or world % (roles * others):
+        raise ConfigError(
+            f"{why}: it needs a multiple of {roles * others} ranks, {roles} groups of a multiple of "
+            f"parallel.dp_replicate x tp x pp x cp = {others}, but {world} were launched; launch "
+            f"{roles * others} (--nproc) or more"
+        )
+    return world // roles
+
+
+def check_layout(cfg: LadleConfig, world: int, roles: int = 1) -> Layout:
+    """The layout for `world` processes (in `roles` groups laid out alike: `role_world` checked
+    that they divide), or a ConfigError that says what to change."""
+    lay = replace(resolve_layout(cfg, world // roles), roles=roles)
+    world //= roles
     m = cfg.model
     errors = []
 
@@ -183,6 +214,8 @@ def check_layout(cfg: LadleConfig, world: int) -> Layout:
             "lora.quantize_base=nf4 (QLoRA) runs on one device or with dp_replicate (DDP); sharding an NF4 "
             "base (FSDP, TP, PP) is not supported yet: use plain LoRA there"
         )
+    if roles > 1 and lay.ep > 1:
+        errors.append("ep > 1 in a separated placement is not supported yet")
     if cfg.parallel.cpu_offload and not lay.fsdp:
         errors.append("parallel.cpu_offload needs FSDP (dp_shard > 1)")
     if errors:
@@ -194,7 +227,9 @@ class Parallel:
     """The layout of this process: its mesh (None alone), its data-parallel rank and group (which
     samples it reads), its loss group (the ranks whose tokens differ: data ranks x cp), the
     sequence sharding of context parallelism, and the loss context (tensor parallel computes the
-    loss on vocab-sharded logits)."""
+    loss on vocab-sharded logits). With `layout.roles` > 1 also its `role` (0: the group with
+    global rank 0), `group` (its role's ranks; None: the world) and `pair_group` (this rank and
+    the ranks at its place in the other groups); every other group stays within the role."""
 
     def __init__(self, layout: Layout, device: torch.device, cp_attention: str = "allgather"):
         self.layout = layout
@@ -203,9 +238,17 @@ class Parallel:
         self.loss_size, self.loss_group = 1, None
         self.cp = None
         self.shared_group, self.shared_rank, self.shared_leader = None, 0, 0  # see `shared`
+        self.role, self.group, self.pair_group = 0, None, None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if layout.roles > 1:
+            shape = tuple(getattr(layout, d) for d in DIMS)
+            full = init_device_mesh(device.type, (layout.roles, *shape), mesh_dim_names=("role", *DIMS))
+            self.role = full.get_coordinate()[0]
+            self.pair_group = full["role"].get_group()
+            self.group = full[DIMS]._flatten("members").get_group()
         if layout.world == 1:
             return
-        from torch.distributed.device_mesh import init_device_mesh
 
         # _flatten is private, but stable since torch 2.4 (torchtitan builds its meshes with it).
         if layout.ep > 1:
@@ -215,6 +258,9 @@ class Parallel:
             )
             self.mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
             dp = self.mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+        elif layout.roles > 1:  # slices by the names in DIMS keep to this rank's role
+            self.mesh = full
+            dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         else:
             shape = tuple(getattr(layout, d) for d in DIMS)
             self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)

@@ -68,7 +68,7 @@ def parallelize(model: nn.Module, par: Parallel, device: torch.device, what: App
             model, mesh, what.parallel, what.precision, experts_mesh=experts, dp_size=par.dp_size
         )
     if lay.dp > 1 and any(p.requires_grad for p in model.parameters()):  # a frozen model needs no DDP
-        return apply_ddp(model, device)
+        return apply_ddp(model, device, par.dp_group)
     return model
 
 

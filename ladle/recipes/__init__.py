@@ -1,5 +1,8 @@
 """The recipes: a training method each, a short module on the shared pieces. A recipe module
-declares `DATA_TASK` (the `ladle data prepare --task` its data comes from) and `run(cfg)`."""
+declares `DATA_TASK` (the `ladle data prepare --task` its data comes from) and `run(cfg)`, and
+where it needs them the checks ladle/prelaunch.py runs before launch: `check_layout(cfg, layout)`
+(what it cannot run on), `check_paths(cfg)` (the other models it reads) and `placement(cfg)`
+(the groups of ranks of a separated placement)."""
 
 from __future__ import annotations
 

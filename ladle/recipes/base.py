@@ -55,7 +55,7 @@ class Setup:
     cfg: LadleConfig
     par: Parallel
     device: torch.device
-    unit: TrainUnit  # the policy's
+    unit: TrainUnit  # the policy's (on a separated placement's other group: what that group trains)
     run: RunDir
     found: Checked
     resume: Resume
@@ -71,13 +71,16 @@ def build_trainer(
     samples=None,  # (cfg, split, found) -> rows with len() and get(i); pretraining's by default
     loss: Loss | None = None,  # the causal-LM loss by default
     setup=None,  # (Setup) -> Plan, after the policy is built
+    unit_config=None,  # (cfg, par) -> the config of the model this rank trains (default: cfg's)
 ) -> Trainer:
     par = par or Parallel(Layout(), device)
     resume = resume or Resume(None)
     if samples is None:
         from ladle.recipes.pretrain import packed_samples as samples
     run = RunDir(cfg, device, recipe=recipe, resume=resume)
-    built = build_model(cfg, par, device, load=resume.path is None)
+    # the policy, or what this rank's group trains in a separated placement (PPO's critic)
+    unit_cfg = unit_config(cfg, par) if unit_config is not None else cfg
+    built = build_model(unit_cfg, par, device, load=resume.path is None)
     for note in built.notes:
         run.events(note)
     if built.source:
@@ -85,7 +88,7 @@ def build_trainer(
     n_params = count_params(cfg.model)
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     fpt, trained = model_flops(cfg, n_no_embed)
-    unit = TrainUnit(cfg, built.model, device, par, built.pipeline)
+    unit = TrainUnit(unit_cfg, built.model, device, par, built.pipeline)
     plan = Plan(samples, loss)
     if setup is not None:
         plan = setup(Setup(cfg, par, device, unit, run, found, resume))
@@ -201,17 +204,20 @@ def adapter_counts(cfg: LadleConfig, n_no_embed: int) -> tuple[int, int, int]:
     return trained, adapters, n_no_embed - (head.numel() if head.requires_grad else 0)
 
 
-def run(cfg: LadleConfig, recipe: str, samples, loss: Loss | None = None, setup=None) -> str:
+def run(
+    cfg: LadleConfig, recipe: str, samples, loss: Loss | None = None, setup=None, unit_config=None
+) -> str:
     """Trains on `samples` with `loss` (the causal-LM loss by default) and writes the run card;
     returns the loop's status. `setup(Setup) -> Plan`: a recipe's own preparation once the policy
-    is built (a reference model, cached reference log-probs, rollouts)."""
+    is built (a reference model, cached reference log-probs, rollouts); `unit_config(cfg, par)`:
+    the config of the model this rank trains, when not the policy's (a separated placement)."""
     found = check(cfg, recipe)  # init_from, tokenizer and data, before anything is written
     cfg = found.cfg
     device = dev.pick_device(cfg.train.device, dist.local_rank())
     dev.set_device(device)
     dist.init(device)
     try:
-        status = _train(cfg, recipe, samples, found, device, loss, setup)
+        status = _train(cfg, recipe, samples, found, device, loss, setup, unit_config)
         # Every rank waits for rank 0's sample and run card, then all leave the process group
         # together: a rank whose process exits with its group alive can abort in gloo's threads
         # ("terminate called without an active exception") while rank 0 still works, and torchrun
@@ -223,7 +229,14 @@ def run(cfg: LadleConfig, recipe: str, samples, loss: Loss | None = None, setup=
 
 
 def _train(
-    cfg: LadleConfig, recipe: str, samples, found: Checked, device: torch.device, loss=None, setup=None
+    cfg: LadleConfig,
+    recipe: str,
+    samples,
+    found: Checked,
+    device: torch.device,
+    loss=None,
+    setup=None,
+    unit_config=None,
 ) -> str:
     cfg, precision_note = resolve_mode(cfg, device)  # config.yaml records the mode that ran
     resume = worker_resume(cfg, device)
@@ -231,7 +244,7 @@ def _train(
         torch.set_num_threads(cfg.train.threads)
     layout = check(cfg, recipe, world=dist.world_size(), paths=False).layout
     par = Parallel(layout, device, cfg.parallel.cp_attention)
-    trainer = build_trainer(cfg, device, found, resume, par, recipe, samples, loss, setup)
+    trainer = build_trainer(cfg, device, found, resume, par, recipe, samples, loss, setup, unit_config)
     run_dir = trainer.run
     if precision_note:
         run_dir.events(precision_note, level="warning" if "emulates" in precision_note else "info")
@@ -242,7 +255,8 @@ def _train(
     final.update(trainer.recipe_metrics)
     if trainer.last_val:
         final.update({k: v for k, v in trainer.last_val.items() if k.startswith("val_")})
-    writes = cfg.model.head == "lm"  # a reward model scores, it does not generate
+    # a reward model scores, it does not generate; a separated placement's policy is on role 0
+    writes = cfg.model.head == "lm" and par.role == 0
     if status == "completed" and writes and cfg.sample.prompt and cfg.sample.max_new_tokens:
         model = gather_model(trainer.model, par, cfg.model, cfg.lora)  # every rank takes part; rank 0 gets it
         text = None

@@ -43,7 +43,11 @@ def check_layout(cfg: LadleConfig, layout) -> None:
                 f"with {name.upper()}; set parallel.{name}: 1"
             )
     every_batch(cfg, cfg.grpo.num_iterations, "grpo.num_iterations")
-    if cfg.rewards.model:  # its shape and vocabulary, before launch
+
+
+def check_paths(cfg: LadleConfig) -> None:
+    """The reward model's shape and vocabulary, before launch (where the files are)."""
+    if cfg.rewards.model:
         scorer_config(cfg, cfg.rewards.model)
 
 
@@ -107,6 +111,7 @@ class Rollouts:
         self.end_ids = {i for i in ends if i is not None}
         self.pad = tok.pad_id if tok.pad_id is not None else 0
         self.unit = s.unit
+        self.group = s.par.group  # this group's ranks in a separated placement (None: the world)
         # shared placement: the models a phase does not use wait in host memory (accelerators)
         self.parking = Parking(s.device, enabled=section.offload_idle)
         self.parking.add("reference", reference)
@@ -175,6 +180,7 @@ class Rollouts:
                 decode=self.tok.decode,
                 pad_id=self.pad,
                 batch_size=self.section.rollout_batch,
+                group=self.group,
             )
         records = self.records[split]
         rewards, terms = [], {}
@@ -207,7 +213,7 @@ class Rollouts:
         extra = {}
         chunks = [(r, rew, True) for r, rew, _ in sampled]
         dynamic = getattr(self.section, "dynamic_sampling", False)
-        exchange = self.section.balance and dist.world_size() > 1
+        exchange = self.section.balance and dist.world_size(self.group) > 1
         budget, m = self.section.micro_tokens, self.minibatches
         if dynamic or exchange or budget:
             groups = self.groups(chunks, 0)
@@ -299,7 +305,7 @@ class Rollouts:
             bins[-1].append(g)
             rows, width = rows + len(g[1]), max(width, longest(g))
         dev = dist.collective_device()
-        k = int(dist.all_reduce_max(torch.tensor([max(len(bins), 1)], device=dev)).item())
+        k = int(dist.all_reduce_max(torch.tensor([max(len(bins), 1)], device=dev), self.group).item())
         while len(bins) < k:
             fullest = max(range(len(bins)), key=lambda i: len(bins[i]), default=None)
             if fullest is None or len(bins[fullest]) < 2:
@@ -323,7 +329,7 @@ class Rollouts:
         dev = dist.collective_device()
         while True:
             mine = [g for g in groups if g[2].max() > g[2].min()]
-            found = int(dist.all_reduce_sum(torch.tensor([len(mine)], device=dev)).item())
+            found = int(dist.all_reduce_sum(torch.tensor([len(mine)], device=dev), self.group).item())
             if found >= target or rounds >= self.section.max_sampling_rounds:
                 break
             step = self.inner.consumed_samples // max(target, 1)
@@ -332,7 +338,9 @@ class Rollouts:
                 collect(parts, terms)
             groups = groups + self.groups([(r, rew, True) for r, rew, _ in more], rounds)
             rounds += 1
-        everyone = sorted(k for keys in dist.all_gather_objects([g[0] for g in mine]) for k in keys)
+        everyone = sorted(
+            k for keys in dist.all_gather_objects([g[0] for g in mine], self.group) for k in keys
+        )
         keep = set(everyone[:target])
         kept = [g for g in mine if g[0] in keep]
         return kept, {"sampling_rounds": float(rounds), "groups_kept": min(found, target) / max(target, 1)}
@@ -343,12 +351,12 @@ class Rollouts:
         loaded rank: `balance`). Every rank sees every group's cost and takes the same decision;
         the groups travel by one all-gather. Returns this rank's groups and the training
         imbalance after the move (max over mean of the ranks' tokens)."""
-        every = [g for mine in dist.all_gather_objects(groups) for g in mine]
+        every = [g for mine in dist.all_gather_objects(groups, self.group) for g in mine]
         every.sort(key=lambda g: g[0])
         costs = [sum(g[1].lengths()) for g in every]
-        plan = balance(costs, dist.world_size())
+        plan = balance(costs, dist.world_size(self.group))
         loads = [float(sum(costs[k] for k in rows)) for rows in plan]
-        return [every[k] for k in plan[dist.rank()]], imbalance(loads)
+        return [every[k] for k in plan[dist.rank(self.group)]], imbalance(loads)
 
     @torch.no_grad()
     def validate(self, batches) -> dict:
@@ -359,7 +367,7 @@ class Rollouts:
         for b in batches:
             collect(parts, self.sample(b, VALIDATION_STEP, "val")[2])
         self.parking.unpark(*self.trained)
-        return means(parts)
+        return means(parts, self.group)
 
     def score(self, batch: dict) -> None:
         """More of a batch's forward-only scores (PPO: the value model's), in place."""
@@ -383,7 +391,7 @@ class Rollouts:
         ]
         if batch_wide:
             vals = local if g.advantage == "reinforce_pp" else [b["scores"].cpu() for b in batches]
-            _, mean, var = global_moments(torch.cat(vals))
+            _, mean, var = global_moments(torch.cat(vals), self.group)
             shift = mean if g.advantage == "reinforce_pp" else 0.0
             local = [(a - shift) / (var**0.5 + EPS) for a in local]
         for b, a in zip(batches, local, strict=True):
@@ -397,12 +405,12 @@ class Rollouts:
         dev = dist.collective_device()
         gen_tokens = float(sum(parts["response_len"]))
         high = dist.all_reduce_max(
-            torch.tensor([diff or 0.0, gen_tokens, gen_s], dtype=torch.float64, device=dev)
+            torch.tensor([diff or 0.0, gen_tokens, gen_s], dtype=torch.float64, device=dev), self.group
         )
         diff_max, tokens_max, gen_s_max = high.tolist()
-        out = means(parts)
+        out = means(parts, self.group)
         total = out["response_len_mean"] * out.pop("responses")
-        mean_tokens = total / dist.world_size()
+        mean_tokens = total / dist.world_size(self.group)
         if diff is not None:
             out["rollout_logprob_diff"] = diff_max
         out.update(
@@ -422,30 +430,34 @@ def collect(parts: dict[str, list], terms: dict[str, list]) -> None:
         parts.setdefault(k, []).extend(v)
 
 
-def global_moments(values: torch.Tensor) -> tuple[float, float, float]:
-    """(count, mean, unbiased variance) of `values` over every rank: one all-reduce."""
+def global_moments(values: torch.Tensor, group=None) -> tuple[float, float, float]:
+    """(count, mean, unbiased variance) of `values` over every rank of `group` (None: the
+    world): one all-reduce."""
     v = values.double().cpu()
     stats = torch.tensor([float(v.numel()), float(v.sum()), float((v * v).sum())], dtype=torch.float64)
-    n, s1, s2 = dist.all_reduce_sum(stats.to(dist.collective_device())).tolist()
+    n, s1, s2 = dist.all_reduce_sum(stats.to(dist.collective_device()), group).tolist()
     mean = s1 / max(n, 1.0)
     return n, mean, max((s2 - n * mean * mean) / (n - 1), 0.0) if n > 1 else 0.0
 
 
-def means(parts: dict[str, list]) -> dict:
-    """`<key>_mean` of each list of per-response values over every rank's responses (a term all
-    ranks log), and `responses`, their number."""
+def means(parts: dict[str, list], group=None) -> dict:
+    """`<key>_mean` of each list of per-response values over the responses of every rank of
+    `group` (None: the world; a term all ranks log), and `responses`, their number."""
     keys = sorted(parts)
     sums = [float(sum(parts[k])) for k in keys] + [float(len(parts["reward"]))]
     sums = dist.all_reduce_sum(
-        torch.tensor(sums, dtype=torch.float64, device=dist.collective_device())
+        torch.tensor(sums, dtype=torch.float64, device=dist.collective_device()), group
     ).tolist()
     n = max(sums[-1], 1.0)
     return {**{f"{k}_mean": sums[j] / n for j, k in enumerate(keys)}, "responses": sums[-1]}
 
 
-def load_rewards(s: base.Setup) -> tuple[Rewards, dict[str, list[dict]], torch.nn.Module | None]:
+def load_rewards(
+    s: base.Setup, model: bool = True
+) -> tuple[Rewards, dict[str, list[dict]], torch.nn.Module | None]:
     """The rule rewards, the prompts' records by split (checked for the fields the rewards read)
-    and the frozen reward model of `rewards.model`, laid out like the policy."""
+    and the frozen reward model of `rewards.model`, laid out like the policy (`model`: False
+    when it lives on other ranks: None then)."""
     cfg = s.cfg
     rewards = Rewards(cfg.rewards.terms, cfg.rewards.file, model=cfg.rewards.model is not None)
     records = {split: PromptSplit(cfg.data.path, split).records for split in ("train", "val")}
@@ -458,11 +470,16 @@ def load_rewards(s: base.Setup) -> tuple[Rewards, dict[str, list[dict]], torch.n
                     f"{cfg.data.path}: {split} prompt {i} has no field {missing[0]!r}, which rewards.terms "
                     f"read; prepare prompts whose records hold {', '.join(sorted(need))}"
                 )
-    model = None
-    if cfg.rewards.model:
-        model = build_model(scorer_config(cfg, cfg.rewards.model), s.par, s.device, trainable=False).model
-        s.run.events(f"reward model: {cfg.rewards.model} (frozen), weight {cfg.rewards.model_weight}")
-    return rewards, records, model
+    return rewards, records, reward_model(s) if model else None
+
+
+def reward_model(s: base.Setup) -> torch.nn.Module | None:
+    """The frozen reward model of `rewards.model` (None without one), laid out as `s.par`."""
+    cfg = s.cfg
+    if not cfg.rewards.model:
+        return None
+    s.run.events(f"reward model: {cfg.rewards.model} (frozen), weight {cfg.rewards.model_weight}")
+    return build_model(scorer_config(cfg, cfg.rewards.model), s.par, s.device, trainable=False).model
 
 
 def scorer_config(cfg: LadleConfig, path: str | None, where: str = "rewards.model", **changes) -> LadleConfig:

@@ -89,13 +89,14 @@ class Trainer:
         flops_per_token: float,
         eval_batches: Callable[[], Iterable[dict]] | None = None,
         parts: dict | None = None,  # other stateful parts to checkpoint, by name (a value model)
+        name: str = POLICY,  # the unit's part in checkpoints (a group of a separated placement: "critic")
     ):
         self.cfg, self.run, self.unit, self.loader, self.loss = cfg, run, unit, loader, loss
         self.parallel = unit.parallel
         self.device = run.device
         self.eval_batches = eval_batches
         self.flops_per_token = flops_per_token
-        self.parts = {POLICY: unit, **(parts or {})}
+        self.parts = {name: unit, **(parts or {})}
         self.checkpointer = Checkpointer(run.dir, cfg.checkpoint, self.device, log=run.events)
         self.step = 0
         self.tokens_seen = 0
@@ -114,17 +115,17 @@ class Trainer:
     # -- state -------------------------------------------------------------------------------
     def state(self) -> dict:
         """The JSON part of a checkpoint (trainer_state.json); the policy's scalars at the top."""
+        units = {k: p.scalars() for k, p in self.parts.items() if hasattr(p, "scalars")}
         state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "data": self.loader.state_dict(),
-            **self.unit.scalars(),
+            **units.pop(POLICY, {}),
             "config_hash": config_hash(self.cfg),
             "adapters_only": self.cfg.lora is not None,  # the frozen base is not in the checkpoint
             "world_size": dist.world_size(),
             "time": time.time(),
         }
-        units = {k: p.scalars() for k, p in self.parts.items() if k != POLICY and hasattr(p, "scalars")}
         if units:
             state["units"] = units
         return state
@@ -134,9 +135,10 @@ class Trainer:
         self.step = int(extra["step"])
         self.tokens_seen = int(extra["tokens_seen"])
         self.loader.load_state_dict(extra["data"])
-        self.unit.load_scalars(extra)
-        for name, scalars in extra.get("units", {}).items():
-            self.parts[name].load_scalars(scalars)
+        for name, part in self.parts.items():
+            scalars = extra if name == POLICY else extra.get("units", {}).get(name)
+            if scalars is not None and hasattr(part, "load_scalars"):
+                part.load_scalars(scalars)
         self.run.events(f"resumed from {path} at step {self.step} ({self.tokens_seen:,} tokens seen)")
         changed = config_changes(Path(path), self.cfg)
         if changed:

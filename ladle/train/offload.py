@@ -42,8 +42,10 @@ class Parking:
         self.where: dict[str, str] = {}
         self._moved: dict[str, list] = {}
 
-    def add(self, name: str, model: torch.nn.Module | None, optimizer=None) -> None:
-        if model is not None:
+    def add(self, name: str, model, optimizer=None) -> None:
+        """`model` (and its optimizer) under `name`; None, or a model on other ranks (a separated
+        placement's `Remote`), is not parked."""
+        if isinstance(model, torch.nn.Module):
             self.items[name] = (model, optimizer)
             self.where[name] = "device"
 

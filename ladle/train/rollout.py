@@ -86,11 +86,13 @@ def rollout(
     decode=None,
     pad_id: int = 0,
     batch_size: int = 16,
+    group=None,
 ) -> Rollouts:
     """`sampling.n` responses to each prompt (token ids; `prompt_index` their global indices, the
     key of their random streams), sampled in batches of `batch_size` rows. A response ends at a
     token of `end_ids` (kept) or a stop string (`decode` needed; the text up to it is the
-    caller's to cut) or at the cap."""
+    caller's to cut) or at the cap. `group`: the ranks that sample together (a laid-out model's;
+    None: the world)."""
     if len(prompts) != len(prompt_index):
         raise ValueError("one prompt index per prompt")
     rows = [(p, i, s) for p, i in zip(prompts, prompt_index, strict=True) for s in range(sampling.n)]
@@ -99,9 +101,10 @@ def rollout(
     # Every rank runs as many batches (FSDP: a forward pass is a collective); a rank with fewer
     # rows runs its last batch again on a copy of its first row and drops the result.
     batches = -(-len(rows) // batch_size)
-    if dist.world_size() > 1:
+    ranks = dist.world_size(group)
+    if ranks > 1:
         device = next(model.parameters()).device
-        batches = int(dist.all_reduce_max(torch.tensor([batches], device=device)).item())
+        batches = int(dist.all_reduce_max(torch.tensor([batches], device=device), group).item())
     model_was_training = model.training
     model.eval()
     try:
@@ -120,8 +123,8 @@ def rollout(
                 pad_id=pad_id,
                 row_generators=gens,
                 stop=stop,
-                prepack=dist.world_size() == 1,
-                sync=(lambda done: not dist.any_rank(not done, device)) if dist.world_size() > 1 else None,
+                prepack=ranks == 1,
+                sync=(lambda done: not dist.any_rank(not done, device, group)) if ranks > 1 else None,
             )
             if not real:
                 continue
