@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ladle.models.prepack import prepacked
 
@@ -118,6 +119,7 @@ def sample(
     prepack: bool = True,
     logps: bool = True,
     sync: Callable[[bool], bool] | None = None,
+    seq_multiple: int = 1,
 ) -> Sampled:
     """New tokens for each prompt, each row up to and including a token of `end_ids`.
     `stop(new_tokens)`, called after each token of a row, ends that row when true (see
@@ -131,12 +133,20 @@ def sample(
     (ladle/models/prepack.py; 1.5-1.8x the tokens/s of plain `F.linear` on bench-30m in fp32,
     equal to it up to rounding); callers that generate many batches with the same weights wrap
     the calls in one `prepacked(model)` to pack once. `prepack=False` keeps `F.linear`.
+
+    `seq_multiple` m > 1: every forward pass gets a multiple of m positions, as tensor parallelism's
+    sequence shards need (m = tp): the prompts are left-padded to a multiple of m, and each decode
+    step feeds m - 1 pad positions (document id 0: no real token attends to them) before the real
+    one. The cache holds m slots a step; the logits of the last position are the real token's.
+    Vocabulary-sharded logits (a DTensor) are gathered at that position only.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt needs at least one token")
     if row_generators is not None and len(row_generators) != len(prompts):
         raise ValueError("one row generator per prompt")
+    m = seq_multiple
     B, P = len(prompts), max(len(p) for p in prompts)
+    P = -(-P // m) * m
     out: list[list[int]] = [[] for _ in range(B)]
     lps: list[list[float]] = [[] for _ in range(B)]
     done = [False] * B
@@ -152,12 +162,15 @@ def sample(
     tokens, doc_ids = tokens.to(device), doc_ids.to(device)
     positions = (doc_ids.cumsum(1) - 1).clamp(min=0)  # (B, P): 0 at each prompt's first real token
 
-    cache = model.new_cache(B, P + max_new_tokens, device=device)
+    cache = model.new_cache(B, P + max_new_tokens * m, device=device)
     scale = temperature if temperature > 0 else 1.0
     with prepacked(model, batch=B) if prepack else contextlib.nullcontext():
-        logits = model(tokens, positions=positions, doc_ids=doc_ids, cache=cache, logits_to_keep=1)[:, -1]
+        logits = last(model(tokens, positions=positions, doc_ids=doc_ids, cache=cache, logits_to_keep=1))
         pos = positions[:, -1:] + 1  # (B, 1)
         ones = torch.ones((B, 1), dtype=torch.long, device=device)
+        if m > 1:  # each step: m - 1 pads, then the real token
+            ones = torch.cat([torch.zeros((B, m - 1), dtype=torch.long, device=device), ones], 1)
+            pads = torch.full((B, m - 1), pad_id, dtype=torch.long, device=device)
         for step in range(max_new_tokens):
             u = None
             if row_generators is not None and temperature > 0:
@@ -176,9 +189,16 @@ def sample(
             if finished or step == max_new_tokens - 1:
                 break
             # Finished rows keep decoding (their tokens are dropped): simpler than shrinking the batch.
-            logits = model(nxt[:, None], positions=pos, doc_ids=ones, cache=cache)[:, -1]
+            step_tokens = nxt[:, None] if m == 1 else torch.cat([pads, nxt[:, None]], 1)
+            logits = last(model(step_tokens, positions=pos.expand(B, m), doc_ids=ones, cache=cache))
             pos = pos + 1
     return Sampled(out, lps, done)
+
+
+def last(logits: torch.Tensor) -> torch.Tensor:
+    """(B, V) logits of the last position; vocabulary shards (tensor parallel) gathered."""
+    x = logits[:, -1]
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def stop_strings(decode: Callable[[list[int]], str], strings: list[str]) -> Callable[[list[int]], bool]:

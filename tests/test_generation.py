@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from ladle.config.schema import ModelConfig
@@ -132,3 +133,32 @@ def test_stop_strings_and_truncation():
     first = free[0][2]
     out = generate(model, PROMPTS, max_new_tokens=8, stop=lambda toks: toks[-1] == first)
     assert out[0] == free[0][: free[0].index(first) + 1]
+
+
+def test_padding_each_step_to_a_multiple_changes_nothing():
+    # tensor parallelism's sequence shards need a multiple of tp positions per forward: the
+    # prompts padded to it and each decode step led by pads that no real token attends to give the
+    # same tokens and log-probs as one position a step
+    from ladle.generation import sample
+
+    model = tiny_model()
+    prompts = [[5, 9, 2], [7, 1, 3, 3, 8], [4]]
+
+    def run(m):
+        gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+        return sample(
+            model,
+            prompts,
+            max_new_tokens=6,
+            temperature=1.0,
+            row_generators=gens,
+            prepack=False,
+            seq_multiple=m,
+        )
+
+    one = run(1)
+    for m in (2, 4):
+        got = run(m)
+        assert got.tokens == one.tokens
+        for a, b in zip(got.logps, one.logps, strict=True):
+            assert a == pytest.approx(b, abs=1e-5)

@@ -529,3 +529,49 @@ def test_separated_placement_gives_the_shared_updates_and_resumes(
     for a, b in zip(sep[2:], cut, strict=True):  # the critic, its optimizer and schedule came back
         for key in ("loss", "grad_norm", "value_loss", "critic_grad_norm", "kl", "reward_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+def test_rollouts_under_tensor_parallel_equal_one_process(
+    recipe, chat_tokenizer, prompt_data, reward_folder, tmp_path
+):
+    # tp=2: generation on the TP-sharded policy (each forward a multiple of 2 positions for the
+    # sequence shards, a KV cache of the rank's heads, the last position's vocabulary shards
+    # gathered), log-probs, entropy, values and reward-model scores at every position: the first
+    # step's responses, rewards, losses and gradient norms are one process's. Later steps sample
+    # from weights that differ in the last bits (TP sums in another order, and Adam's first step
+    # moves a weight by lr whatever its gradient's size), which a near-uniform tiny policy turns
+    # into other tokens; at every step the sampler's log-probs equal the training forward's.
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    if recipe == "ppo":
+        cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "one", reward_folder)
+    else:
+        cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "one", kl_coef=0.05, entropy_coef=0.01)
+    cfg["train"].update({"threads": 1, "max_steps": 3})
+    assert load(recipe).run(build_config(cfg)) == "completed"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "ladle", "run", recipe, "--config", str(path), "--nproc", "2"]
+    r = subprocess.run(
+        [*cmd, f"output_dir={tmp_path / 'tp'}", "parallel.tp=2"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    one, tp = ([r for r in read_metrics(tmp_path / d) if "loss" in r] for d in ("one", "tp"))
+    assert len(tp) == len(one) == 3
+    keys = ["loss", "kl", "entropy", "grad_norm"] + (
+        ["value_loss", "critic_grad_norm"] if recipe == "ppo" else []
+    )
+    a, b = one[0], tp[0]
+    for key in ("reward_mean", "response_len_mean"):
+        assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    for key in keys:
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert all(r["rollout_logprob_diff"] < 1e-4 and math.isfinite(r["loss"]) for r in tp)

@@ -132,6 +132,11 @@ class PretrainLoader:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
+    @property
+    def global_batch(self) -> int:
+        """Samples a step over every data-parallel rank (as SharedLoader's)."""
+        return self.layout.global_batch
+
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}
 

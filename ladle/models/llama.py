@@ -88,7 +88,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Preallocated keys/values for generation, one (B, n_kv_heads, max_len, head_dim) pair per layer.
+    """Preallocated keys/values for generation, one (B, n_kv_heads, max_len, head_dim) pair per layer,
+    allocated at the layer's first `update` with the heads it computes (under tensor parallelism a
+    rank's share of them).
 
     `doc_ids` (B, max_len) holds the document id of every cached key, so the same doc_ids mask that
     separates packed documents also hides left padding (pads: id 0, real tokens: id 1). `length` is the
@@ -96,15 +98,21 @@ class KVCache:
     """
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, device=None, dtype=torch.float32):
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.shape = (batch, n_kv_heads, max_len, head_dim)
+        self.device, self.dtype = device, dtype
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
         self.doc_ids = torch.zeros(batch, max_len, device=device, dtype=torch.long)
         self.length = 0
         self.max_len = max_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, K, T, D) for `layer`; return all cached ones (B, K, length + T, D)."""
+        if self.k[layer] is None:
+            B, _, L, D = self.shape
+            shape = (B, k.shape[1], L, D)
+            self.k[layer] = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.v[layer] = torch.zeros(shape, device=self.device, dtype=self.dtype)
         start, end = self.length, self.length + k.shape[2]
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v

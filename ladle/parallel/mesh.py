@@ -285,6 +285,12 @@ class Parallel:
             self.shared_leader = torch.distributed.get_global_rank(self.shared_group, 0)
 
     @property
+    def data_group(self):
+        """The data-parallel ranks as a group for collectives over the rows they hold (None: the
+        world); in a separated placement never wider than this rank's role."""
+        return self.dp_group if self.dp_group is not None else self.group
+
+    @property
     def shared_dims(self) -> list[str]:
         """The degrees whose ranks train on the same samples (their group reads once)."""
         return [d for d in ("pp", "cp", "tp") if getattr(self.layout, d) > 1]

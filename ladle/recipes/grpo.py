@@ -13,6 +13,7 @@ layouts are every recipe's (ladle/recipes/base.py).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -30,17 +31,26 @@ from ladle.train.builder import build_model
 from ladle.train.grpo import EPS, PolicyLoss, advantages
 from ladle.train.loss import IGNORE_INDEX
 from ladle.train.offload import Parking
-from ladle.train.rollout import Sampling, balance, imbalance, logprob_diff, response_logps, rollout, sequences
+from ladle.train.rollout import (
+    Sampling,
+    balance,
+    imbalance,
+    logprob_diff,
+    response_logps,
+    rollout,
+    score_at,
+    sequences,
+)
 
 DATA_TASK = "prompts"  # `ladle data prepare --task prompts`
 
 
 def check_layout(cfg: LadleConfig, layout) -> None:
-    for name, degree in (("tp", layout.tp), ("pp", layout.pp), ("cp", layout.cp)):
+    for name, degree in (("pp", layout.pp), ("cp", layout.cp)):
         if degree > 1:
             raise ConfigError(
-                f"parallel.{name}={degree}: the RL recipes' rollouts run with data parallelism and FSDP, not yet "
-                f"with {name.upper()}; set parallel.{name}: 1"
+                f"parallel.{name}={degree}: the RL recipes' rollouts run with data parallelism, FSDP and TP, "
+                f"not yet with {name.upper()}; set parallel.{name}: 1"
             )
     every_batch(cfg, cfg.grpo.num_iterations, "grpo.num_iterations")
 
@@ -111,7 +121,13 @@ class Rollouts:
         self.end_ids = {i for i in ends if i is not None}
         self.pad = tok.pad_id if tok.pad_id is not None else 0
         self.unit = s.unit
-        self.group = s.par.group  # this group's ranks in a separated placement (None: the world)
+        # the rows' bookkeeping is over the data-parallel ranks (a TP group holds the same rows);
+        # generation syncs every rank of the model's layout (this group of a separated placement)
+        self.group, self.forward_group = s.par.data_group, s.par.group
+        # tensor parallelism: every forward a multiple of tp positions (sequence shards), and the
+        # heads run at every position (a rank holds a slice of them, not the ones to pick)
+        self.tp = s.par.layout.tp
+        self.all_positions = self.tp > 1
         # shared placement: the models a phase does not use wait in host memory (accelerators)
         self.parking = Parking(s.device, enabled=section.offload_idle)
         self.parking.add("reference", reference)
@@ -126,10 +142,13 @@ class Rollouts:
         self.data_s = 0.0
         self.metrics: dict[str, float] = {}
 
+    @contextlib.contextmanager
     def context(self):
-        """The training forward's numerics (autocast), so old log-probs equal the loss's at the
-        first update and the rollout's sampling matches them."""
-        return self.unit.precision.autocast()
+        """The training forward's numerics (autocast; loss-parallel scoring of vocabulary shards
+        under TP), so old log-probs equal the loss's at the first update and the rollout's
+        sampling matches them."""
+        with self.unit.precision.autocast(), self.unit.parallel.loss_context():
+            yield
 
     # the loop's loader interface --------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -147,7 +166,7 @@ class Rollouts:
 
     def next(self) -> list[dict]:
         if self.cached is None or self.uses >= self.reuse:
-            step = self.inner.consumed_samples // max(self.inner.layout.global_batch, 1)  # before next()
+            step = self.inner.consumed_samples // max(self.inner.global_batch, 1)  # before next()
             micro = self.inner.next()
             t0 = time.perf_counter()
             self.cached = self.make(micro, step)
@@ -180,7 +199,8 @@ class Rollouts:
                 decode=self.tok.decode,
                 pad_id=self.pad,
                 batch_size=self.section.rollout_batch,
-                group=self.group,
+                group=self.forward_group,
+                seq_multiple=self.tp,
             )
         records = self.records[split]
         rewards, terms = [], {}
@@ -193,10 +213,10 @@ class Rollouts:
         rew = torch.tensor(rewards, dtype=torch.float64)
         if self.reward_model is not None:  # its score of the whole sequence, at the last token
             self.parking.unpark("reward")
-            batch = sequences(r, self.pad)
+            batch = sequences(r, self.pad, self.tp)
             with torch.no_grad(), self.context():
                 tokens, at = batch["tokens"].to(self.device), (batch["lengths"] - 1).to(self.device)
-                score = self.reward_model(tokens, at=at)[:, 0, 0].double().cpu()
+                score = score_at(self.reward_model, tokens, at, self.all_positions).double().cpu()
             terms["model"] = score.tolist()
             rew = rew + self.cfg.rewards.model_weight * score
             self.parking.park("reward")
@@ -236,7 +256,7 @@ class Rollouts:
             self.bounds = [j * len(chunks) // m for j in range(m + 1)]
         out, diffs = [], []
         for r, rew, live in chunks:
-            batch = {k: v.to(self.device) for k, v in sequences(r, self.pad).items()}
+            batch = {k: v.to(self.device) for k, v in sequences(r, self.pad, self.tp).items()}
             if not live:
                 # a placeholder: every rank runs as many microbatches (FSDP), this one trains nothing
                 batch["targets"].fill_(IGNORE_INDEX)
@@ -246,10 +266,10 @@ class Rollouts:
             self.parking.unpark("reference", *self.trained)
             with torch.no_grad(), self.context():
                 if self.old_logps:
-                    batch["old_logps"] = response_logps(self.policy, batch, self.sampling.temperature)
+                    batch["old_logps"] = self.logps(self.policy, batch)
                     diffs.append(logprob_diff(r, batch["old_logps"], batch))
                 if self.reference is not None:
-                    batch["ref_logps"] = response_logps(self.reference, batch, self.sampling.temperature)
+                    batch["ref_logps"] = self.logps(self.reference, batch)
                 self.score(batch)
             batch["scores"] = rew.float().to(self.device)
             out.append(batch)
@@ -258,6 +278,9 @@ class Rollouts:
         gen_s = time.perf_counter() - t0
         self.metrics = {**self._reduce(parts, max(diffs) if diffs else None, gen_s), **extra}
         return out
+
+    def logps(self, model, batch: dict) -> torch.Tensor:
+        return response_logps(model, batch, self.sampling.temperature, self.all_positions)
 
     def groups(self, chunks: list, round_: int) -> list:
         """(key, rollouts, rewards) of each prompt's group of samples; key = (round, prompt index)."""
@@ -324,7 +347,7 @@ class Rollouts:
         as many groups with a signal as it has prompts, or `max_sampling_rounds` are spent. The
         groups kept are the first in (round, prompt index) order over every rank, whatever the
         layout."""
-        target = self.inner.layout.global_batch
+        target = self.inner.global_batch
         rounds = 1
         dev = dist.collective_device()
         while True:
@@ -528,6 +551,7 @@ def setup(s: base.Setup):
         temperature=g.temperature,
         entropy_coef=g.entropy_coef,
     )
+    loss.all_positions = s.par.layout.tp > 1
 
     def wrap(loader, evaluate):  # validation: the rewards on held-out prompts (Rollouts.validate)
         rollouts = Rollouts(

@@ -43,7 +43,7 @@ DATA_TASK = "prompts"
 
 
 def check_layout(cfg: LadleConfig, layout) -> None:
-    grpo_recipe.check_layout(cfg, layout)  # rollouts: data parallel and FSDP
+    grpo_recipe.check_layout(cfg, layout)  # rollouts: data parallel, FSDP and TP
     p = cfg.ppo
     if cfg.train.grad_accum_steps % p.minibatches:
         raise ConfigError(
@@ -122,6 +122,9 @@ class PPORollouts(grpo_recipe.Rollouts):
 
     def score(self, batch: dict) -> None:
         mask = batch["targets"] != IGNORE_INDEX
+        if self.all_positions:  # tensor parallel: every position's value, then the response's
+            batch["old_values"] = self.critic(batch["tokens"])[..., 0].float() * mask
+            return
         values = self.critic(batch["tokens"], keep=mask)[:, 0].float()
         batch["old_values"] = torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values)
 
@@ -269,7 +272,7 @@ def setup(s: base.Setup):
         built = build_model(critic_cfg, s.par, s.device, load=s.resume.path is None)
         critic = TrainUnit(critic_cfg, built.model, s.device, s.par)
         describe_critic(s, built.notes)
-        trainer = functools.partial(PPOTrainer, critic=critic, critic_loss=ValueLoss(p.value_clip))
+        trainer = functools.partial(PPOTrainer, critic=critic, critic_loss=value_loss(s))
     else:  # on the partner ranks
         critic = Remote(pair, "critic")
         reward_model = Remote(pair, "reward") if cfg.rewards.model else None
@@ -289,6 +292,7 @@ def setup(s: base.Setup):
         entropy_coef=p.entropy_coef,
     )
     loss.console = (*PolicyLoss.console, "value_loss")
+    loss.all_positions = s.par.layout.tp > 1
 
     def wrap(loader, evaluate):
         rollouts = PPORollouts(
@@ -324,7 +328,13 @@ def critic_setup(s: base.Setup, pair: Pair):
         return side, evaluate
 
     trainer = functools.partial(PairedTrainer, pair=pair, role=CRITIC)
-    return base.Plan(samples, ValueLoss(p.value_clip), wrap, trainer)
+    return base.Plan(samples, value_loss(s), wrap, trainer)
+
+
+def value_loss(s: base.Setup) -> ValueLoss:
+    loss = ValueLoss(s.cfg.ppo.value_clip)
+    loss.all_positions = s.par.layout.tp > 1
+    return loss
 
 
 def describe_critic(s: base.Setup, notes: list[str]) -> None:

@@ -24,6 +24,7 @@ trl's.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ladle.train.loss import IGNORE_INDEX, Loss, LossOut, token_logps
 from ladle.train.ppo import entropy
@@ -135,6 +136,15 @@ def policy_loss(
     return loss, metrics
 
 
+def sharded_entropy(logits: DTensor) -> torch.Tensor:
+    """The entropy at each position (R, T) of vocabulary-sharded logits (R, T, V), under
+    loss_parallel: its log-softmax runs on the shards, the sum over the vocabulary is one
+    all-reduce."""
+    lp = torch.log_softmax(logits.float(), -1)
+    ent = -(lp.exp() * lp).sum(-1)
+    return ent.full_tensor() if isinstance(ent, DTensor) else ent
+
+
 class PolicyLoss(Loss):
     """The policy's loss on a batch of rollouts (GRPO's, and PPO's actor): `tokens` (R, T) prompt +
     response, `targets` the response tokens (ladle/train/rollout.py `sequences`), `advantages` (R,)
@@ -186,17 +196,24 @@ class PolicyLoss(Loss):
         return int(batch["lengths"].sum())  # prompt + response, not the padding
 
     def forward(self, model, batch: dict):
+        if self.all_positions:  # tensor parallel: the head cannot pick positions from sequence shards
+            return model(batch["tokens"])
         return model(batch["tokens"], keep=batch["targets"] != IGNORE_INDEX)  # the responses' logits only
 
     def from_output(self, logits, batch: dict) -> LossOut:
-        """`logits` (N, V) of the response positions (`forward`), or (R, T, V) of every position."""
+        """`logits` (N, V) of the response positions (`forward`), or (R, T, V) of every position
+        (vocabulary-sharded under TP: scored under loss_parallel, which the unit enters)."""
         if self.temperature not in (0, 1):
             logits = logits / self.temperature
         mask = batch["targets"] != IGNORE_INDEX
-        if logits.dim() == 3:
+        sharded = isinstance(logits, DTensor)
+        if logits.dim() == 3 and not sharded:
             logits = logits[mask]
-        logps = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-        logps = logps.masked_scatter(mask, token_logps(logits, batch["targets"][mask]))
+        if sharded:
+            logps = token_logps(logits, batch["targets"]).float() * mask
+        else:
+            logps = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+            logps = logps.masked_scatter(mask, token_logps(logits, batch["targets"][mask]))
         old = batch.get("old_logps")
         diff = None
         if old is None:  # one update on fresh rollouts: the sampling policy is this one
@@ -220,7 +237,10 @@ class PolicyLoss(Loss):
         )
         # the entropy of the response positions only (not a (B, T, V) pass over the prompts)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
-            ent = torch.zeros_like(logps).masked_scatter(mask, entropy(logits))
+            if sharded:
+                ent = sharded_entropy(logits) * mask
+            else:
+                ent = torch.zeros_like(logps).masked_scatter(mask, entropy(logits))
         if self.entropy_coef:
             loss = loss - self.entropy_coef * ent
         total, count = aggregate(loss, mask, self.loss_agg, self.max_len)

@@ -125,6 +125,9 @@ class Loss:
 
     console: tuple[str, ...] = ()  # metrics shown on the console line beside the loss
     perplexity = False  # validation also reports exp(loss)
+    # A loss that asks the model for some positions only (the RL losses' responses) asks for all
+    # under tensor parallelism, whose sequence shards leave a rank a slice of the positions.
+    all_positions = False
 
     def count(self, batch: dict) -> int:
         raise NotImplementedError

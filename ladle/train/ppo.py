@@ -128,6 +128,8 @@ class ValueLoss(Loss):
         return int(batch["lengths"].sum())
 
     def forward(self, model, batch: dict):
+        if self.all_positions:  # tensor parallel: (R, T, 1) at every position
+            return model(batch["tokens"])
         return model(batch["tokens"], keep=batch["targets"] != IGNORE_INDEX)  # (N, 1): the response positions
 
     def from_output(self, out, batch: dict) -> LossOut:

@@ -87,12 +87,13 @@ def rollout(
     pad_id: int = 0,
     batch_size: int = 16,
     group=None,
+    seq_multiple: int = 1,
 ) -> Rollouts:
     """`sampling.n` responses to each prompt (token ids; `prompt_index` their global indices, the
     key of their random streams), sampled in batches of `batch_size` rows. A response ends at a
     token of `end_ids` (kept) or a stop string (`decode` needed; the text up to it is the
     caller's to cut) or at the cap. `group`: the ranks that sample together (a laid-out model's;
-    None: the world)."""
+    None: the world); `seq_multiple`: tensor parallelism's degree (`generation.sample`)."""
     if len(prompts) != len(prompt_index):
         raise ValueError("one prompt index per prompt")
     rows = [(p, i, s) for p, i in zip(prompts, prompt_index, strict=True) for s in range(sampling.n)]
@@ -125,6 +126,7 @@ def rollout(
                 stop=stop,
                 prepack=ranks == 1,
                 sync=(lambda done: not dist.any_rank(not done, device, group)) if ranks > 1 else None,
+                seq_multiple=seq_multiple,
             )
             if not real:
                 continue
@@ -140,12 +142,13 @@ def rollout(
     return out
 
 
-def sequences(rollouts: Rollouts, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """The rows as a training batch: `tokens` (R, T) prompt + response, right-padded; `targets`
-    the response tokens at the positions that predict them (IGNORE_INDEX elsewhere); `lengths`;
-    `sample_logps` (R, T) the sampling-time log-probs at those positions (0 elsewhere)."""
+def sequences(rollouts: Rollouts, pad_id: int = 0, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """The rows as a training batch: `tokens` (R, T) prompt + response, right-padded (T a
+    `multiple`: tensor parallelism's sequence shards); `targets` the response tokens at the
+    positions that predict them (IGNORE_INDEX elsewhere); `lengths`; `sample_logps` (R, T) the
+    sampling-time log-probs at those positions (0 elsewhere)."""
     lengths = rollouts.lengths()
-    T = max(lengths)
+    T = -(-max(lengths) // multiple) * multiple
     tokens = torch.full((len(lengths), T), pad_id, dtype=torch.long)
     targets = torch.full((len(lengths), T), IGNORE_INDEX, dtype=torch.long)
     sampled = torch.zeros((len(lengths), T), dtype=torch.float32)
@@ -158,17 +161,30 @@ def sequences(rollouts: Rollouts, pad_id: int = 0) -> dict[str, torch.Tensor]:
     return {"tokens": tokens, "targets": targets, "lengths": torch.tensor(lengths), "sample_logps": sampled}
 
 
-def response_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+def response_logps(model, batch: dict, temperature: float = 1.0, all_positions: bool = False) -> torch.Tensor:
     """log softmax(logits / T) of each response token under `model` (the training forward):
     (R, T) fp32, 0 off the responses. Greedy sampling (T = 0) is scored at T = 1. The head runs
-    at the response positions only."""
+    at the response positions only, or at every position (`all_positions`: tensor parallelism,
+    whose sequence shards the head cannot pick from; its vocabulary-sharded logits are scored
+    under loss_parallel)."""
     mask = batch["targets"] != IGNORE_INDEX
-    logits = model(batch["tokens"], keep=mask)
+    logits = model(batch["tokens"], keep=None if all_positions else mask)
     if temperature not in (0, 1):
         logits = logits / temperature
+    if all_positions:
+        return token_logps(logits, batch["targets"]).float() * mask
     out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
     out[mask] = token_logps(logits, batch["targets"][mask])
     return out
+
+
+def score_at(model, tokens: torch.Tensor, at: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+    """A score-head model's output (R,) at position `at` of each row: computed there only, or
+    at every position and then picked (`all_positions`: tensor parallelism)."""
+    if not all_positions:
+        return model(tokens, at=at)[:, 0, 0]
+    out = model(tokens)  # (R, T, 1)
+    return out[torch.arange(len(at), device=out.device), at, 0]
 
 
 def logprob_diff(rollouts: Rollouts, logps: torch.Tensor, batch: dict) -> float:
