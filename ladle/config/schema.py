@@ -527,6 +527,49 @@ class RewardsConfig(Section):
     model_weight: float = Field(1.0, description="the reward model's weight in the sum")
 
 
+class DistConfig(Section):
+    """The process group (ladle/distributed.py)."""
+
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="a collective that waits longer fails (every rank's error names it) instead of hanging",
+    )
+
+
+class FaultsConfig(Section):
+    """Faults injected on purpose, to rehearse recovery and to test it (ladle/train/faults.py);
+    each switch is refused unless `enabled`. Steps count from 1; 0 is off. A job's restarted
+    attempt is not hit (torchrun's TORCHELASTIC_RESTART_COUNT > 0), so it trains past the step."""
+
+    enabled: bool = Field(False, description="allow the switches below (tests and rehearsals only)")
+    rank: int | None = Field(
+        None, ge=0, description="the global rank nan, spike and kill hit; null: every rank"
+    )
+    nan_at_step: int = Field(0, ge=0, description="that step's loss (and so its gradients) becomes NaN")
+    spike_at_step: int = Field(0, ge=0, description="that step's loss (and gradients) times spike_factor")
+    spike_factor: float = Field(100.0, gt=0)
+    sleep_at_step: int = Field(
+        0, ge=0, description="sleep_rank stops for sleep_s before the step's first collective"
+    )
+    sleep_rank: int = Field(0, ge=0)
+    sleep_s: float = Field(0.0, ge=0)
+    kill_at_step: int = Field(0, ge=0, description="the rank exits with SIGKILL once that step is done")
+
+    @model_validator(mode="after")
+    def _guarded(self):
+        switches = ("nan_at_step", "spike_at_step", "sleep_at_step", "kill_at_step")
+        on = [f"faults.{k}={getattr(self, k)}" for k in switches if getattr(self, k)]
+        if on and not self.enabled:
+            raise ValueError(
+                f"{on[0]} injects a fault on purpose (for tests and rehearsals of recovery); "
+                "set faults.enabled=true to allow it"
+            )
+        if self.sleep_at_step and not self.sleep_s:
+            raise ValueError("faults.sleep_at_step needs faults.sleep_s > 0 (how long the rank stops)")
+        return self
+
+
 class LadleConfig(Section):
     output_dir: str = "runs/default"
     seed: int = 0
@@ -547,6 +590,8 @@ class LadleConfig(Section):
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
     rewards: RewardsConfig = RewardsConfig()
+    dist: DistConfig = DistConfig()
+    faults: FaultsConfig = FaultsConfig()
 
     @model_validator(mode="after")
     def _check_cross(self):

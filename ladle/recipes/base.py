@@ -215,7 +215,7 @@ def run(
     cfg = found.cfg
     device = dev.pick_device(cfg.train.device, dist.local_rank())
     dev.set_device(device)
-    dist.init(device)
+    dist.init(device, cfg.dist.timeout_s)
     try:
         status = _train(cfg, recipe, samples, found, device, loss, setup, unit_config)
         # Every rank waits for rank 0's sample and run card, then all leave the process group

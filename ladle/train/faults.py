@@ -1,4 +1,6 @@
-"""Fire drills: a fault injected on purpose, to check that a job comes back by itself.
+"""Fire drills: a fault injected on purpose, to check that a job comes back by itself, or that it
+stops naming the cause. Two ways in: the config's `faults.*` switches (`Drill`, refused unless
+`faults.enabled`), and for kills from outside a config the environment:
 
     LADLE_FAULT=kill:STEP[:RANK]       SIGKILL once step STEP is done
     LADLE_FAULT=kill-node:STEP[:RANK]  the same, with this node's launcher (torchrun's agent and the
@@ -16,6 +18,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
+from dataclasses import dataclass
 
 from ladle import distributed as dist
 from ladle.errors import ConfigError
@@ -25,7 +29,7 @@ _POINTS = {"kill": "step", "kill-node": "step", "kill-save": "save"}
 
 def _spec() -> tuple[str, int, int | None] | None:
     raw = os.environ.get("LADLE_FAULT", "")
-    if not raw or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not raw or not first_attempt():
         return None
     kind, _, rest = raw.partition(":")
     step, _, rank = rest.partition(":")
@@ -70,3 +74,56 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def first_attempt() -> bool:
+    """Not a restarted attempt of a torchrun job (whose restart must train past the fault)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+@dataclass
+class Injection:
+    """What a step suffers on this rank: its loss (and gradients) times `factor` (NaN: a NaN
+    loss), and a stop of `sleep_s` before its first collective."""
+
+    factor: float = 1.0
+    sleep_s: float = 0.0
+
+    def stop(self) -> None:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+
+
+class Drill:
+    """The config's fault switches (`faults.*`) for this rank: `at(step)` is what the step about
+    to run suffers (None: nothing), `after(step)` kills the rank once that step is done."""
+
+    def __init__(self, cfg, rank: int):  # cfg: ladle.config.schema.FaultsConfig
+        self.cfg, self.rank = cfg, rank
+        self.active = cfg.enabled and first_attempt()
+        self.hit = cfg.rank is None or cfg.rank == rank
+
+    def at(self, step: int) -> Injection | None:
+        if not self.active:
+            return None
+        f = self.cfg
+        out = Injection()
+        if self.hit and f.nan_at_step == step:
+            out.factor = float("nan")
+        elif self.hit and f.spike_at_step == step:
+            out.factor = f.spike_factor
+        if f.sleep_at_step == step and f.sleep_rank == self.rank:
+            out.sleep_s = f.sleep_s
+        if out == Injection():
+            return None
+        if out.factor != 1.0:
+            what = "NaN loss" if out.factor != out.factor else f"loss x {out.factor:g}"
+            print(f"faults: {what} at step {step} on rank {self.rank}", flush=True)
+        if out.sleep_s:
+            print(f"faults: rank {self.rank} sleeps {out.sleep_s:g} s in step {step}", flush=True)
+        return out
+
+    def after(self, step: int) -> None:
+        if self.active and self.hit and self.cfg.kill_at_step == step:
+            print(f"faults: kill at step {step} on rank {self.rank}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)

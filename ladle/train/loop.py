@@ -98,6 +98,7 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.parts = {name: unit, **(parts or {})}
         self.checkpointer = Checkpointer(run.dir, cfg.checkpoint, self.device, log=run.events)
+        self.drill = faults.Drill(cfg.faults, dist.rank())  # faults.* switches: off unless enabled
         self.step = 0
         self.tokens_seen = 0
         self.bad_steps = 0
@@ -157,7 +158,7 @@ class Trainer:
     def train_step(self, micro: list[dict[str, torch.Tensor]]) -> dict:
         """Forward and backward of the step's microbatches, then the update. Returns the record
         the loop logs: loss, lr, grad_norm, finite, skipped, tokens, t_bwd, metrics."""
-        result = self.unit.forward_backward(micro, self.loss)
+        result = self.unit.forward_backward(micro, self.loss, self.drill.at(self.step + 1))
         update = self.unit.step(result.loss)
         return {
             "loss": result.loss,
@@ -243,6 +244,7 @@ class Trainer:
                 self.tokens_seen += out["tokens"]
                 self.check_finite(out)
                 faults.at("step", self.step)
+                self.drill.after(self.step)
 
                 window["steps"] += 1
                 window["tokens"] += out["tokens"]

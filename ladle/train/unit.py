@@ -61,15 +61,19 @@ class TrainUnit:
         self._shapes: dict = {}  # metric shapes under PP (known to the last stage), train and eval
 
     # -- one step --------------------------------------------------------------------------
-    def forward_backward(self, micro: list[dict[str, torch.Tensor]], loss: Loss) -> Result:
+    def forward_backward(self, micro: list[dict[str, torch.Tensor]], loss: Loss, inject=None) -> Result:
         # Every sum is divided by the count of the whole global batch, so the gradient does not
         # depend on how the batch is split into microbatches and ranks. Data-parallel wrappers
         # (DDP, FSDP) average gradients over the ranks whose units differ (the data ranks, times
         # cp: context parallelism splits each sample's tokens), hence that factor; the ranks of a
         # TP or PP group share their units.
+        # `inject`: a fault drill's (ladle/train/faults.py): a stop before the first collective,
+        # and the loss sums (so the gradients) scaled, a NaN or a spike
         par = self.parallel
         micro = [par.shard_sequence(b) for b in micro]
         local = sum(loss.count(b) for b in micro)
+        if inject is not None:
+            inject.stop()
         total = int(par.all_reduce_loss(torch.tensor([local], device=self.device)).item())
         scale = par.loss_size / max(total, 1)
         self.model.train()
@@ -84,6 +88,8 @@ class TrainUnit:
                 with contextlib.nullcontext() if sync else self.model.no_sync(), par.loss_context():
                     with self.precision.autocast():
                         out = loss(self.model, b)
+                        if inject is not None and inject.factor != 1.0:
+                            out.sum = out.sum * inject.factor
                         objective = out.sum * scale
                         if out.extra is not None:
                             objective = objective + out.extra / len(micro)
