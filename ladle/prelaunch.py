@@ -53,7 +53,7 @@ def check(cfg: LadleConfig, recipe: str | None = None, world: int = 0, paths: bo
     """The config as every process will see it: `init_from` resolved, tokenizer and data checked
     against each other, the model and the recipe's data task (unless paths=False: they exist only
     on the cluster), and the parallel layout for `world` processes (when given)."""
-    from ladle.parallel.mesh import check_layout, role_world
+    from ladle.parallel.mesh import check_layout
 
     found = Checked(cfg)
     if paths:
@@ -71,12 +71,8 @@ def check(cfg: LadleConfig, recipe: str | None = None, world: int = 0, paths: bo
         if check_paths:
             check_paths(cfg)
     if world:
-        roles = 1
         placement = getattr(module, "placement", None)  # (groups of ranks, what they hold) or None
-        if placement and placement(cfg):
-            roles, why = placement(cfg)
-            role_world(cfg, world, roles, why)
-        found.layout = check_layout(cfg, world, roles)
+        found.layout = check_layout(cfg, world, *((placement and placement(cfg)) or ()))
         layout_check = getattr(module, "check_layout", None)
         if layout_check:  # what a recipe cannot run on (the pair recipes: pp, cp)
             layout_check(cfg, found.layout)

@@ -113,11 +113,12 @@ def role_world(cfg: LadleConfig, world: int, roles: int, why: str) -> int:
     return world // roles
 
 
-def check_layout(cfg: LadleConfig, world: int, roles: int = 1) -> Layout:
-    """The layout for `world` processes (in `roles` groups laid out alike: `role_world` checked
-    that they divide), or a ConfigError that says what to change."""
-    lay = replace(resolve_layout(cfg, world // roles), roles=roles)
-    world //= roles
+def check_layout(cfg: LadleConfig, world: int, roles: int = 1, why: str = "") -> Layout:
+    """The layout for `world` processes (in `roles` groups laid out alike, holding `why`: see
+    `role_world`), or a ConfigError that says what to change."""
+    if roles > 1:
+        world = role_world(cfg, world, roles, why)
+    lay = replace(resolve_layout(cfg, world), roles=roles)
     m = cfg.model
     errors = []
 
@@ -241,8 +242,8 @@ class Parallel:
         self.role, self.group, self.pair_group = 0, None, None
         from torch.distributed.device_mesh import init_device_mesh
 
+        shape = tuple(getattr(layout, d) for d in DIMS)
         if layout.roles > 1:
-            shape = tuple(getattr(layout, d) for d in DIMS)
             full = init_device_mesh(device.type, (layout.roles, *shape), mesh_dim_names=("role", *DIMS))
             self.role = full.get_coordinate()[0]
             self.pair_group = full["role"].get_group()
@@ -262,7 +263,6 @@ class Parallel:
             self.mesh = full
             dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         else:
-            shape = tuple(getattr(layout, d) for d in DIMS)
             self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
             dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self.dp_rank, self.dp_size, self.dp_group = dp.get_local_rank(), dp.size(), dp.get_group()
@@ -283,6 +283,12 @@ class Parallel:
             )
             self.shared_group, self.shared_rank = m.get_group(), m.get_local_rank()
             self.shared_leader = torch.distributed.get_global_rank(self.shared_group, 0)
+
+    @property
+    def sequence_sharded(self) -> bool:
+        """A forward pass's positions are split over ranks (TP's sequence parallelism): a head
+        cannot pick positions, so the RL recipes run theirs at every position."""
+        return self.layout.tp > 1
 
     @property
     def data_group(self):

@@ -127,7 +127,7 @@ class Rollouts:
         # tensor parallelism: every forward a multiple of tp positions (sequence shards), and the
         # heads run at every position (a rank holds a slice of them, not the ones to pick)
         self.tp = s.par.layout.tp
-        self.all_positions = self.tp > 1
+        self.all_positions = s.par.sequence_sharded
         # shared placement: the models a phase does not use wait in host memory (accelerators)
         self.parking = Parking(s.device, enabled=section.offload_idle)
         self.parking.add("reference", reference)
@@ -551,7 +551,7 @@ def setup(s: base.Setup):
         temperature=g.temperature,
         entropy_coef=g.entropy_coef,
     )
-    loss.all_positions = s.par.layout.tp > 1
+    loss.all_positions = s.par.sequence_sharded
 
     def wrap(loader, evaluate):  # validation: the rewards on held-out prompts (Rollouts.validate)
         rollouts = Rollouts(

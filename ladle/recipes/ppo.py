@@ -292,7 +292,7 @@ def setup(s: base.Setup):
         entropy_coef=p.entropy_coef,
     )
     loss.console = (*PolicyLoss.console, "value_loss")
-    loss.all_positions = s.par.layout.tp > 1
+    loss.all_positions = s.par.sequence_sharded
 
     def wrap(loader, evaluate):
         rollouts = PPORollouts(
@@ -333,7 +333,7 @@ def critic_setup(s: base.Setup, pair: Pair):
 
 def value_loss(s: base.Setup) -> ValueLoss:
     loss = ValueLoss(s.cfg.ppo.value_clip)
-    loss.all_positions = s.par.layout.tp > 1
+    loss.all_positions = s.par.sequence_sharded
     return loss
 
 
