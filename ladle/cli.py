@@ -263,6 +263,14 @@ def cmd_data_inspect(args) -> int:
     return 0
 
 
+def cmd_data_show(args) -> int:
+    from ladle.data.inspect import format_show, show_data
+
+    report = show_data(args.dir, args.index, split=args.split, tokenizer=args.tokenizer)
+    print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else format_show(report))
+    return 0
+
+
 # -- models ------------------------------------------------------------------------------------
 def cmd_export_hf(args) -> int:
     from ladle.train.export import export_hf
@@ -552,6 +560,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", default=None)
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_data_inspect)
+    d = dsub.add_parser(
+        "show",
+        help="records of prepared data decoded whole, by index (documents, chats, pairs or prompts): "
+        "what a bad step's report names",
+    )
+    d.add_argument("dir")
+    d.add_argument("index", type=int, nargs="+")
+    d.add_argument("--split", default="train", choices=["train", "val"])
+    d.add_argument("--tokenizer", default=None, help="default: the one meta.json names")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_data_show)
 
     s = sub.add_parser("export", help="export a checkpoint")
     esub = s.add_subparsers(dest="export_command", required=True, metavar="FORMAT")

@@ -13,15 +13,19 @@ import torch
 import torch.distributed as dist
 
 from ladle import device as dev
+from ladle import watchdog
 
 _device = torch.device("cpu")  # where this process group's collectives take their tensors
 
 
-def init(device: torch.device, timeout_s: float = 600.0) -> None:
+def init(device: torch.device, timeout_s: float = 600.0, trace_dir: str | None = None) -> None:
+    """`trace_dir`: where NCCL's flight recorder dumps (turned on under CUDA; ladle/watchdog.py)."""
     global _device
     if dist.is_initialized():
         return
     _device = device
+    if trace_dir is not None:
+        os.environ.update(watchdog.flight_recorder_env(device.type, trace_dir))
     backend = dev.backend_for(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -60,7 +64,8 @@ def is_main() -> bool:
 
 def barrier() -> None:
     if world_size() > 1:
-        dist.barrier()
+        with watchdog.within("collective: barrier"):
+            dist.barrier()
 
 
 # The collectives below take a `group` (None: the world): the RL recipes' separated placement
@@ -83,7 +88,8 @@ def all_gather_objects(obj, group=None) -> list:
     if n == 1:
         return [obj]
     out = [None] * n
-    dist.all_gather_object(out, obj, group=group)
+    with watchdog.within("collective: all_gather_object"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -91,4 +97,13 @@ def any_rank(flag: bool, device: torch.device, group=None) -> bool:
     """True on every rank when it is true on one (e.g. a SIGTERM that reached one rank)."""
     if world_size(group) == 1:
         return flag
-    return bool(all_reduce_max(torch.tensor([int(flag)], device=device), group).item())
+    with watchdog.within("collective: any_rank (stop flags)"):
+        return bool(all_reduce_max(torch.tensor([int(flag)], device=device), group).item())
+
+
+def store():
+    """The job's key-value store (torchrun's), which the watchdog's heartbeats go through."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None

@@ -57,6 +57,7 @@ def check(cfg: LadleConfig, recipe: str | None = None, world: int = 0, paths: bo
 
     found = Checked(cfg)
     if paths:
+        check_output_dir(cfg)
         found.cfg = cfg = resolve_config(cfg)
         found.tokenizer = check_tokenizer(cfg)
         found.meta = check_data(cfg, found.tokenizer)
@@ -101,6 +102,29 @@ def check_data_task(cfg: LadleConfig, recipe: str, meta: dict) -> None:
         )
 
 
+def check_output_dir(cfg: LadleConfig) -> None:
+    """output_dir is a folder (or will be) and lies outside the run's data and tokenizer: a run
+    never writes its checkpoints among them. (A starting model's folder is the resume check's:
+    a run directory there holds checkpoints.)"""
+    out = Path(cfg.output_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"output_dir {cfg.output_dir} exists and is not a folder; choose another output_dir"
+        )
+    for key, value in (
+        ("data.path", cfg.data.path),
+        ("tokenizer.path", cfg.tokenizer.path),
+    ):
+        if not value:
+            continue
+        inp = Path(value).resolve()
+        if out == inp or inp in out.parents:
+            raise ConfigError(
+                f"output_dir {cfg.output_dir} is {'' if out == inp else 'inside '}{key} {value}: the run would "
+                "write among its inputs; choose an output_dir elsewhere"
+            )
+
+
 # -- tokenizer and data ------------------------------------------------------------------------
 def check_tokenizer(cfg: LadleConfig):
     from ladle.tokenizer import load_tokenizer
@@ -117,9 +141,11 @@ def check_tokenizer(cfg: LadleConfig):
 
 def check_data(cfg: LadleConfig, tok) -> dict:
     """The prepared data exists, was made with this tokenizer, and fits the model."""
+    from ladle.data.folder import check_files
     from ladle.data.prepare import load_meta
 
     meta = load_meta(cfg.data.path)
+    check_files(cfg.data.path, meta, checksums=cfg.data.verify == "checksums")
     theirs = meta.get("tokenizer_hash")
     if theirs and theirs != tok.hash:
         raise DataError(
@@ -219,6 +245,7 @@ class Resume:
     path: Path | None  # the checkpoint to resume from; None: a fresh start
     restart: str | None = None  # why this is a restarted attempt, when it is one
     found: Found | None = None  # the checkpoints folder as `find_newest` saw it
+    changed: tuple[str, ...] = ()  # what differs from the checkpoint's data (train.allow_data_change)
 
     @property
     def step(self) -> int:
@@ -283,7 +310,39 @@ def resolve_resume(cfg: LadleConfig, restart: str | None = None, check=verify) -
             f"cannot resume from {path}: its model differs in {'; '.join(diff)}; "
             "resume with the model it was trained with, or start a new output_dir"
         )
-    return Resume(path, restart, found)
+    changed = data_changes(cfg, read_trainer_state(path).get("data_identity"))
+    if changed and not cfg.train.allow_data_change:
+        raise DataError(
+            f"cannot resume from {path}: {'; '.join(changed)} since it was saved. The data order continues "
+            "by sample count, so other data means other samples: restore them, or set "
+            "train.allow_data_change=true to resume anyway, or start a new output_dir"
+        )
+    return Resume(path, restart, found, tuple(changed))
+
+
+def data_identity(cfg: LadleConfig) -> dict:
+    """What a run trains on, kept in each checkpoint: the tokenizer's sha256 and the data
+    folder's fingerprint (its files' sizes and checksums, as meta.json records them)."""
+    from ladle.data.folder import fingerprint
+    from ladle.tokenizer import load_tokenizer
+
+    return {"tokenizer": load_tokenizer(cfg.tokenizer.path).hash, "data": fingerprint(cfg.data.path)}
+
+
+def data_changes(cfg: LadleConfig, theirs: dict | None) -> list[str]:
+    """What differs from a checkpoint's `data_identity` (none recorded: nothing to compare)."""
+    if not theirs:
+        return []
+    mine = data_identity(cfg)
+    where = {
+        "tokenizer": f"the tokenizer at tokenizer.path {cfg.tokenizer.path}",
+        "data": f"the data at data.path {cfg.data.path}",
+    }
+    return [
+        f"{where[k]} changed (sha256 {theirs[k][:12]} at the checkpoint, {mine[k][:12]} now)"
+        for k in ("tokenizer", "data")
+        if theirs.get(k) and theirs[k] != mine[k]
+    ]
 
 
 def parent_resume_check(cfg: LadleConfig) -> Resume:

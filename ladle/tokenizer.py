@@ -173,10 +173,14 @@ class Tokenizer:
 
     @functools.cached_property
     def chat_template(self):
-        """The folder's chat template (`ladle.data.chat.ChatTemplate`), or None; compiled once."""
+        """The folder's chat template (`ladle.data.chat.ChatTemplate`), or None; compiled once. A
+        `chat_template.jinja` file wins over tokenizer_config.json's, as in `transformers`."""
         from ladle.data.chat import ChatTemplate
 
-        return ChatTemplate.from_config(self._config)
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            return ChatTemplate.from_config(self._config, source=str(jinja), template=jinja.read_text())
+        return ChatTemplate.from_config(self._config, source=str(self.path / "tokenizer_config.json"))
 
     def apply_chat_template(
         self, messages: list[dict], *, add_generation_prompt: bool = False, **kw

@@ -93,11 +93,15 @@ def test_template_errors_and_the_sandbox(folder):
     with pytest.raises(DataError, match="unknown role tool"):
         tok.apply_chat_template(CHAT)
     _write_config(folder, "{{ messages.__class__.__mro__ }}")  # attribute escapes are blocked
-    with pytest.raises(DataError, match="chat template"):
+    with pytest.raises(DataError, match=rf"{folder}/tokenizer_config.json: chat template: .*unsafe"):
         load_tokenizer(folder).apply_chat_template(CHAT)
     _write_config(folder, "{% for m in messages %}")
-    with pytest.raises(DataError, match="chat_template line 1"):
+    with pytest.raises(DataError, match=rf"{folder}/tokenizer_config.json: chat template line 1"):
         _ = load_tokenizer(folder).chat_template
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}{{ raise_exception('no') }}")
+    with pytest.raises(DataError, match=rf"{folder}/chat_template.jinja: chat template: no"):  # it wins
+        load_tokenizer(folder).apply_chat_template(CHAT)
+    (folder / "chat_template.jinja").unlink()
     _write_config(folder, None)
     with pytest.raises(DataError, match="no chat_template"):
         load_tokenizer(folder).apply_chat_template(CHAT)

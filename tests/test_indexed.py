@@ -142,7 +142,9 @@ def test_bad_files_raise_data_error_naming_the_file(tmp_path):
 
     (tmp_path / "nobin.idx").write_bytes(idx)
     (tmp_path / "nobin.bin").write_bytes(b"\x01\x00")  # one token where the index says two
-    with pytest.raises(DataError, match=r"nobin\.idx points past the end of .*nobin\.bin"):
+    with pytest.raises(
+        DataError, match=r"nobin\.idx places sequence 0 at bytes 0-4 of .*nobin\.bin, which holds 2 "
+    ):
         IndexedDataset(tmp_path / "nobin")
 
     with pytest.raises(DataError, match=r"missing\.idx not found"):

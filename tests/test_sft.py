@@ -146,7 +146,9 @@ def test_prepare_reports_bad_records_by_line_and_counts_them(tokenizer_dir, tmp_
     )
     more = write_jsonl(tmp_path / "more.jsonl", [chat("a", "b"), {"messages": CHAT[1:5]}])
     meta = prepare_sft([more], tokenizer=folder, output=tmp_path / "raising")
-    assert meta["bad_examples"] == {"chat template: too long for me": [f"{more}:2"]}
+    assert meta["bad_examples"] == {
+        f"{folder}/tokenizer_config.json: chat template: too long for me": [f"{more}:2"]
+    }
 
 
 def test_prepared_folder_round_trips_and_recipes_check_their_data(tokenizer_dir, data_dir, tmp_path, capsys):

@@ -104,12 +104,17 @@ def _fields_at(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+MOVED = {"train.max_bad_steps": "guard.max_skips"}  # keys of older configs, and where they went
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"])
         path = ".".join(loc) or "config"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and path in MOVED:
+            lines.append(f"{path}: this setting is now {MOVED[path]}")
+        elif e["type"] == "extra_forbidden":
             known = _fields_at(loc[:-1])
             hint = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
             prefix = ".".join(loc[:-1])

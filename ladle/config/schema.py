@@ -156,6 +156,11 @@ class DataConfig(Section):
         description="packed documents attend only to themselves, with positions restarting at each; "
         "false: plain causal attention over the whole sample",
     )
+    verify: Literal["sizes", "checksums"] = Field(
+        "sizes",
+        description="before training: every file meta.json lists is there, whole (its size) and agrees "
+        "with its index; checksums: also its sha256 (reads all the data once)",
+    )
 
 
 class OptimConfig(Section):
@@ -207,8 +212,10 @@ class TrainConfig(Section):
         description="stop (with a checkpoint) after this much wall time, e.g. a job's time limit; 0: off",
     )
     device: str = Field("auto", description="auto | cpu | cuda | npu (optionally with :index)")
-    max_bad_steps: int = Field(
-        3, ge=1, description="consecutive non-finite steps (skipped) before the run stops"
+    allow_data_change: bool = Field(
+        False,
+        description="resume although the tokenizer or the prepared data differ from the checkpoint's "
+        "(else refused, naming what changed)",
     )
     threads: int = Field(0, ge=0, description="CPU threads for torch; 0 leaves torch's default")
     compile: bool = Field(
@@ -527,6 +534,44 @@ class RewardsConfig(Section):
     model_weight: float = Field(1.0, description="the reward model's weight in the sum")
 
 
+class GuardConfig(Section):
+    """What a bad step does (ladle/train/guard.py): a non-finite loss or gradient norm is always
+    skipped; a spike (the loss or the gradient norm far above its recent mean) is logged, and
+    skipped with `skip_spikes`; too many skips in a row roll the run back or stop it."""
+
+    z_threshold: float = Field(
+        6.0,
+        ge=0,
+        description="a loss or gradient norm this many standard deviations above its mean over the "
+        "window is a spike; 0: no spike detection",
+    )
+    window: int = Field(100, ge=2, description="the accepted steps the mean and deviation are taken over")
+    min_history: int = Field(
+        20, ge=2, description="no spike is called before the window holds this many steps"
+    )
+    skip_spikes: bool = Field(False, description="skip a spike's update (else it is logged and applied)")
+    max_skips: int = Field(
+        3,
+        ge=1,
+        description="skipped steps in a row (non-finite, or spikes with skip_spikes) before on_max_skips",
+    )
+    on_max_skips: Literal["rollback", "stop"] = Field(
+        "rollback",
+        description="rollback: reload the last checkpoint and go on past the data read since (stop when "
+        "there is none, or after max_rollbacks); stop: stop naming the cause and the last checkpoint",
+    )
+    rollback_lr_factor: float = Field(
+        1.0, gt=0, le=1, description="the learning rate is multiplied by this at each rollback (e.g. 0.5)"
+    )
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks in one run before it stops instead")
+
+    @model_validator(mode="after")
+    def _window(self):
+        if self.min_history > self.window:
+            raise ValueError(f"guard.min_history ({self.min_history}) exceeds guard.window ({self.window})")
+        return self
+
+
 class DistConfig(Section):
     """The process group (ladle/distributed.py)."""
 
@@ -534,6 +579,19 @@ class DistConfig(Section):
         600.0,
         gt=0,
         description="a collective that waits longer fails (every rank's error names it) instead of hanging",
+    )
+
+
+class WatchdogConfig(Section):
+    """The hang watchdog (ladle/watchdog.py): a rank stuck in one phase is reported, every rank's
+    stacks are dumped, and the job exits with status 3 so that the launcher restarts it."""
+
+    timeout_s: float = Field(
+        300.0,
+        ge=0,
+        description="a rank whose phase (data, forward, backward, optimizer, a collective, checkpoint, "
+        "generation) has not changed for this long is hung; below dist.timeout_s, which applies "
+        "until the first step is done; 0: off",
     )
 
 
@@ -590,7 +648,9 @@ class LadleConfig(Section):
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
     rewards: RewardsConfig = RewardsConfig()
+    guard: GuardConfig = GuardConfig()
     dist: DistConfig = DistConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
     faults: FaultsConfig = FaultsConfig()
 
     @model_validator(mode="after")
@@ -599,6 +659,13 @@ class LadleConfig(Section):
             raise ValueError(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len}); "
                 "lower data.seq_len or raise model.max_seq_len"
+            )
+        if self.watchdog.timeout_s >= self.dist.timeout_s:
+            raise ValueError(
+                f"watchdog.timeout_s ({self.watchdog.timeout_s:g}) must be below dist.timeout_s "
+                f"({self.dist.timeout_s:g}), so that the watchdog names the hung rank before the "
+                "collective's timeout ends the ranks that wait for it; lower it, raise dist.timeout_s, "
+                "or set watchdog.timeout_s=0 (off)"
             )
         if self.scheduler.warmup_steps >= self.train.max_steps and self.scheduler.name != "constant":
             raise ValueError(

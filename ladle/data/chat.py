@@ -84,20 +84,30 @@ def _environment():
 
 
 class ChatTemplate:
-    def __init__(self, template: str, special_tokens: dict[str, str] | None = None):
+    def __init__(
+        self, template: str, special_tokens: dict[str, str] | None = None, source: str = "chat_template"
+    ):
+        """`source`: where the template comes from (a file), which its errors name."""
         import jinja2
 
+        self.source = source
         try:
             self._template = _environment().from_string(template)
         except jinja2.TemplateSyntaxError as e:
-            raise DataError(f"chat_template line {e.lineno}: {e.message}") from None
+            raise DataError(f"{source}: chat template line {e.lineno}: {e.message}") from None
         self.special_tokens = dict(special_tokens or {})
 
     @classmethod
-    def from_config(cls, config: dict, name: str = "default") -> ChatTemplate | None:
+    def from_config(
+        cls,
+        config: dict,
+        name: str = "default",
+        source: str = "tokenizer_config.json",
+        template: str | None = None,
+    ) -> ChatTemplate | None:
         """The template of a tokenizer_config.json dict (a string, or a list of named templates),
-        or None when it has none."""
-        template = config.get("chat_template")
+        or `template` (a chat_template.jinja file's), or None when there is none."""
+        template = template if template is not None else config.get("chat_template")
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get(name)
@@ -110,7 +120,7 @@ class ChatTemplate:
                 value = value.get("content")
             if isinstance(value, str):
                 special[key] = value
-        return cls(template, special)
+        return cls(template, special, source)
 
     def render(
         self, messages: list[dict], *, add_generation_prompt: bool = False, tools=None, **kwargs
@@ -129,5 +139,5 @@ class ChatTemplate:
                 **self.special_tokens,
                 **kwargs,
             )
-        except jinja2.TemplateError as e:
-            raise DataError(f"chat template: {e}") from None
+        except jinja2.TemplateError as e:  # a sandbox refusal too (SecurityError)
+            raise DataError(f"{self.source}: chat template: {e}") from None

@@ -36,13 +36,29 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         )
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise DataError(f"{path} is not valid JSON ({e}): run `ladle data prepare` again") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise DataError(
             f"{path} is not a {FORMAT} version {VERSION} meta file: run `ladle data prepare` again"
         )
+    # the files it names are the folder's own: a crafted one must not point elsewhere
+    for name in _named_files(meta):
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            raise DataError(
+                f"{path} names the file {name!r}, which is not a file of the folder itself; "
+                "run `ladle data prepare` again"
+            )
     return meta
+
+
+def _named_files(meta: dict) -> list:
+    names = list(meta.get("files") or {})
+    for split in (meta.get("splits") or {}).values():
+        if isinstance(split, dict):
+            names += [*split.get("shards", []), *split.get("mask_shards", [])]
+            names += [split["records"]] if "records" in split else []
+    return names
 
 
 def bad_reasons(meta: dict) -> str:
@@ -151,6 +167,9 @@ class FolderWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)  # after a commit there is nothing left to remove
 
     def commit(self, meta: dict) -> None:
+        # every file's size and checksum (into the caller's dict too), which a run checks before
+        # it trains (check_files)
+        meta["files"] = {f.name: _file_record(f) for f in sorted(self.tmp.iterdir()) if f.is_file()}
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         # POSIX cannot swap two folders atomically: the old one is moved aside only now that the
         # new one is complete, and deleted after.
@@ -162,6 +181,68 @@ class FolderWriter:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(self.tmp, self.out)
+
+
+def _file_record(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return {"bytes": path.stat().st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def check_files(data_dir: str | os.PathLike, meta: dict, *, checksums: bool = False) -> None:
+    """Every file meta.json lists is there and whole (its size; with `checksums`, its sha256), and
+    each shard agrees with its index: a missing, truncated or damaged file is named (with the
+    offset where it goes wrong) before training starts, not when a step reaches it."""
+    from ladle.data.indexed import IndexedDataset
+
+    root = Path(data_dir)
+    again = f"prepare the data again (`ladle data prepare ... --output {root}`)"
+    for name, want in (meta.get("files") or {}).items():
+        path = root / name
+        if not path.is_file():
+            raise DataError(f"data folder {root}: {name} is missing (meta.json lists it); {again}")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            cut = "truncated" if size < want["bytes"] else "longer than written"
+            raise DataError(
+                f"{path} is {size:,} bytes, but {want['bytes']:,} were written (meta.json): the file is {cut} "
+                f"from byte offset {min(size, want['bytes']):,}; {again}"
+            )
+        if checksums and _file_record(path)["sha256"] != want["sha256"]:
+            raise DataError(
+                f"{path}: its contents differ from those written (sha256 {want['sha256'][:12]} in meta.json)"
+                f"{_first_difference(path, meta)}; {again}"
+            )
+    for split in meta.get("splits", {}).values():
+        for prefix in [*split.get("shards", []), *split.get("mask_shards", [])]:
+            IndexedDataset(root / prefix).check_whole()
+
+
+def fingerprint(data_dir: str | os.PathLike) -> str:
+    """The identity of a prepared folder's contents (the sizes and checksums of its files, as
+    meta.json records them): a checkpoint keeps it, and a resume compares (ladle/prelaunch.py)."""
+    root = Path(data_dir)
+    if not (root / "meta.json").is_file():  # Megatron shards without one: their names and sizes
+        files = sorted(p for p in (root.glob("*.[bi][id][nx]") if root.is_dir() else []) if p.is_file())
+        basis = {p.name: p.stat().st_size for p in files}
+    else:
+        meta = load_meta(root)
+        basis = meta.get("files") or {"splits": meta.get("splits"), "tokenizer": meta.get("tokenizer_hash")}
+    return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()
+
+
+def _first_difference(path: Path, meta: dict) -> str:
+    """Where a damaged token file shows it: its first id beyond the vocabulary, when it has one."""
+    if path.suffix != ".bin" or "vocab_size" not in meta or "dtype" not in meta:
+        return ""
+    ids = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+    bad = np.flatnonzero(ids >= meta["vocab_size"])
+    if not bad.size:
+        return ""
+    at = int(bad[0])
+    return (
+        f"; token {at:,} (byte offset {at * ids.dtype.itemsize:,}) is id {int(ids[at])}, beyond the "
+        f"vocabulary of {meta['vocab_size']:,}"
+    )
 
 
 class SplitWriter:

@@ -161,8 +161,20 @@ class IndexedDataset:
         self.tokens = np.memmap(binf, dtype=self.dtype, mode="r") if nbytes else np.zeros(0, dtype=self.dtype)
         ends = self.sequence_pointers + self.sequence_lengths.astype(np.int64) * self.dtype.itemsize
         if ends.size and (ends.max() > nbytes or self.sequence_pointers.min() < 0):
+            i = int(np.argmax((ends > nbytes) | (self.sequence_pointers < 0)))
             raise DataError(
-                f"{idx} points past the end of {binf} ({nbytes} bytes): the pair is truncated or mismatched"
+                f"{idx} places sequence {i} at bytes {int(self.sequence_pointers[i]):,}-{int(ends[i]):,} of "
+                f"{binf}, which holds {nbytes:,} bytes: the pair is truncated or mismatched"
+            )
+        self._end = int(ends.max()) if ends.size else 0
+
+    def check_whole(self) -> None:
+        """The .bin holds exactly what the .idx says (no bytes after the last sequence either)."""
+        nbytes = self.tokens.size * self.dtype.itemsize
+        if nbytes != self._end:
+            raise DataError(
+                f"{bin_path(self.prefix)} holds {nbytes:,} bytes, but its index {idx_path(self.prefix).name} "
+                f"ends at byte offset {self._end:,}: the pair is mismatched or the .bin was appended to"
             )
 
     def _read_index(self, path: Path) -> None:

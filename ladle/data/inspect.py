@@ -1,4 +1,5 @@
-"""`ladle data inspect`: what is in a prepared data folder, at a glance.
+"""`ladle data inspect`: what is in a prepared data folder, at a glance; `ladle data show`: the
+records a report named (a bad step's samples), decoded whole.
 
 Per split: documents, tokens, shards, and a histogram of document lengths in log2 buckets. For the train
 split: the unigram entropy of its tokens in nats per token (how much a model that ignores context
@@ -17,6 +18,7 @@ import numpy as np
 
 from ladle.data.folder import SPLITS, load_meta
 from ladle.data.prepare import TokenStream, open_split
+from ladle.errors import DataError
 from ladle.tokenizer import Tokenizer, load_tokenizer
 
 ENTROPY_CHUNK = 1 << 24  # tokens per np.bincount call: bounded memory on any split size
@@ -115,6 +117,107 @@ def prompt_samples(path: Path, tok: Tokenizer, n: int) -> list[dict]:
             }
         )
     return out
+
+
+def show_data(
+    data_dir: str | os.PathLike,
+    indices: list[int],
+    *,
+    split: str = "train",
+    tokenizer: str | os.PathLike | Tokenizer | None = None,
+) -> dict:
+    """The records `indices` of a split, decoded whole: documents (pretraining data), chats (sft),
+    pairs (preference) or prompts, as the folder's task holds them; a bad step's report names
+    them so (ladle/train/loop.py). Without a tokenizer, the token ids."""
+    from ladle.data.preference import PreferenceSplit
+    from ladle.data.prompts import PromptSplit
+    from ladle.data.sft import SFTSplit
+
+    path = Path(data_dir)
+    meta = load_meta(path) if (path / "meta.json").is_file() else None
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    notes: list[str] = []
+    tok = _pick_tokenizer(tokenizer, meta, notes)
+    task = (meta or {}).get("task", "pretrain")
+
+    def text(ids, special=False):
+        ids = np.asarray(ids)
+        return tok.decode(ids, not special) if tok is not None else " ".join(map(str, ids.tolist()))
+
+    if task == "preference":
+        records, unit = PreferenceSplit(path, split), "pair"
+    elif task == "prompts":
+        records, unit = PromptSplit(path, split), "prompt"
+    elif task == "sft":
+        records, unit = SFTSplit(path, split), "chat"
+    else:
+        records, unit = open_split(path, split), "document"
+    count = records.num_documents if unit == "document" else len(records)
+    out = []
+    for i in indices:
+        if not 0 <= i < count:
+            raise DataError(
+                f"{path}: no {unit} {i} in the {split} split, which holds {count} (0 to {count - 1})"
+            )
+        rec: dict = {unit: i}
+        if unit == "document":
+            start = int(records.doc_starts[i])
+            ids = records.read(start, start + int(records.doc_lengths[i]))
+            rec.update(tokens=len(ids), text=text(ids))
+        elif unit == "chat":
+            ids, mask = records.get(i)
+            rec.update(
+                tokens=len(ids),
+                trained=int(mask.sum()),
+                text=text(ids, True),
+                trained_text=text(ids[mask], True),
+            )
+        elif unit == "pair":
+            c_ids, c_mask, r_ids, r_mask = records.get(i)
+            start = int(np.argmax(c_mask))
+            rec.update(
+                tokens=[len(c_ids), len(r_ids)],
+                prompt=text(c_ids[:start], True),
+                chosen=text(c_ids[c_mask], True),
+                rejected=text(r_ids[r_mask], True),
+            )
+        else:
+            ids, record = records.get(i)
+            rec.update(
+                tokens=len(ids),
+                text=text(ids, True),
+                fields={k: v for k, v in record.items() if k != "prompt"},
+            )
+        out.append(rec)
+    return {"path": str(path), "split": split, "task": task, "records": out, "notes": notes}
+
+
+def format_show(report: dict) -> str:
+    lines = [f"data folder {report['path']}, {report['split']} split ({report['task']})"]
+    for rec in report["records"]:
+        unit = next(iter(rec))
+        head = f"{unit} {rec[unit]}"
+        if unit == "pair":
+            c, r = rec["tokens"]
+            lines += [
+                f"== {head} ({c:,} / {r:,} tokens)",
+                f"-- prompt:\n{rec['prompt']}",
+                f"-- chosen:\n{rec['chosen']}",
+                f"-- rejected:\n{rec['rejected']}",
+            ]
+            continue
+        lines.append(
+            f"== {head} ({rec['tokens']:,} tokens"
+            + (f", {rec['trained']:,} trained)" if unit == "chat" else ")")
+        )
+        lines.append(rec["text"])
+        if unit == "chat":
+            lines += ["-- trained tokens:", rec["trained_text"]]
+        if unit == "prompt":
+            lines.append(f"-- fields: {json.dumps(rec['fields'], ensure_ascii=False)}")
+    lines.extend(f"note: {note}" for note in report["notes"])
+    return "\n".join(lines)
 
 
 def length_histogram(lengths: np.ndarray) -> list[dict]:

@@ -31,8 +31,10 @@ from ladle.errors import DataError
 class PackedSamples:
     """Fixed-length samples over a TokenStream (`num_tokens`, `doc_starts`, `read(start, stop)`)."""
 
+    unit = "documents"  # what `documents(i)` counts, in a report
+
     def __init__(self, stream, seq_len: int, name: str = "train", document_mask: bool = True):
-        self.stream = stream
+        self.stream, self.name = stream, name
         self.document_mask = document_mask
         self.seq_len = seq_len
         self.doc_starts = np.asarray(stream.doc_starts, dtype=np.int64)
@@ -45,6 +47,12 @@ class PackedSamples:
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def documents(self, i: int) -> range:
+        """The split's documents sample i holds some tokens of."""
+        start = i * self.seq_len
+        first, last = np.searchsorted(self.doc_starts, [start, start + self.seq_len], side="right") - 1
+        return range(int(first), int(last) + 1)
 
     def get(self, i: int) -> dict[str, np.ndarray]:
         start = i * self.seq_len
@@ -131,11 +139,28 @@ class PretrainLoader:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.last_start: int | None = None  # the global index of the last step's first sample
 
     @property
     def global_batch(self) -> int:
         """Samples a step over every data-parallel rank (as SharedLoader's)."""
         return self.layout.global_batch
+
+    def batch_samples(self) -> dict | None:
+        """What this rank's last step held, for a bad step's report: the split's sample indices
+        (in the order read) and the documents they hold (what `ladle data show` takes)."""
+        if self.last_start is None:
+            return None
+        ids = [self.order(g) for idx in self.layout.rank_indices(self.last_start) for g in idx]
+        of = getattr(self.samples, "documents", lambda i: [])
+        docs = sorted({d for i in ids for d in of(i)})
+        what = getattr(self.samples, "unit", "records")
+        return {
+            "split": getattr(self.samples, "name", "train"),
+            "samples": ids,
+            "documents": docs,
+            "what": what,
+        }
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}
@@ -157,7 +182,7 @@ class PretrainLoader:
         g = start
         while not self._stop.is_set():
             try:
-                item = self.step_batches(g)
+                item = (g, self.step_batches(g))
             except BaseException as e:  # handed to the training thread, raised there
                 item = e
             while not self._stop.is_set():
@@ -189,6 +214,7 @@ class PretrainLoader:
         if isinstance(host, BaseException):
             self.close()
             raise host
+        self.last_start, host = host
         batches = [{k: v.to(self.device, non_blocking=self._pin) for k, v in b.items()} for b in host]
         self.data_s = time.perf_counter() - t0
         self.consumed_samples += self.layout.global_batch
@@ -237,6 +263,9 @@ class SharedLoader:
         self.consumed_samples = int(state["consumed_samples"])
         if self.loader is not None:
             self.loader.load_state_dict(state)
+
+    def batch_samples(self) -> dict | None:
+        return self.loader.batch_samples() if self.loader is not None else None
 
     def next(self) -> list[dict[str, torch.Tensor]]:
         t0 = time.perf_counter()

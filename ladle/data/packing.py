@@ -24,6 +24,8 @@ IGNORE_INDEX = -100  # as ladle.train.loss, without importing torch code here
 class SFTSamples:
     """Rows of an SFT split: `len()`, `get(i)` -> tokens, targets, positions, doc_ids (T,)."""
 
+    unit = "chats"  # what `documents(r)` counts, in a report
+
     def __init__(
         self,
         split: SFTSplit,
@@ -34,7 +36,7 @@ class SFTSamples:
         pad_id: int = 0,
         name: str = "train",
     ):
-        self.split, self.seq_len, self.pad_id = split, seq_len, pad_id
+        self.split, self.seq_len, self.pad_id, self.name = split, seq_len, pad_id, name
         pairs = np.minimum(split.lengths - 1, seq_len)  # (input, target) pairs each chat gives
         self.truncated = int((split.lengths - 1 > seq_len).sum())
         if packing:
@@ -57,6 +59,10 @@ class SFTSamples:
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def documents(self, r: int) -> list[int]:
+        """The split's chats row r holds."""
+        return self.rows[r]
 
     def get(self, r: int) -> dict[str, np.ndarray]:
         T = self.seq_len

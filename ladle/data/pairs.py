@@ -18,6 +18,8 @@ IGNORE_INDEX = -100  # as ladle.train.loss, without importing torch code here
 
 
 class PairSamples:
+    unit = "pairs"  # what `documents(i)` counts, in a report
+
     def __init__(
         self,
         split: PreferenceSplit,
@@ -28,6 +30,7 @@ class PairSamples:
         ref_logps: np.ndarray | None = None,
     ):
         self.split, self.seq_len, self.pad_id, self.ref_logps = split, seq_len, pad_id, ref_logps
+        self.name = name
         longest = int(split.lengths.max()) if len(split) else 0
         if longest > seq_len:
             over = int((split.lengths > seq_len).any(1).sum())
@@ -43,6 +46,9 @@ class PairSamples:
 
     def __len__(self) -> int:
         return len(self.split)
+
+    def documents(self, i: int) -> list[int]:
+        return [i]
 
     def get(self, i: int) -> dict[str, np.ndarray]:
         T = self.seq_len

@@ -318,6 +318,7 @@ class TokenStream:
     def __init__(self, prefixes: Iterable[str | os.PathLike], meta: dict | None = None):
         self.prefixes = [Path(p) for p in prefixes]
         self.meta = meta
+        self.vocab = int(meta["vocab_size"]) if meta and meta.get("vocab_size") else None
         self._shards = [IndexedDataset(p) for p in self.prefixes]
         dtypes = {s.dtype for s in self._shards}
         if len(dtypes) > 1:
@@ -349,6 +350,15 @@ class TokenStream:
             base, end = int(self._shard_starts[shard]), min(stop, int(self._shard_starts[shard + 1]))
             out[pos - start : end - start] = self._shards[shard].tokens[pos - base : end - base]
             pos, shard = end, shard + 1
+        if self.vocab and out.size and int(out.max()) >= self.vocab:  # a damaged shard, named
+            at = start + int(np.argmax(out >= self.vocab))
+            k = int(np.searchsorted(self._shard_starts, at, side="right")) - 1
+            offset = (at - int(self._shard_starts[k])) * self.dtype.itemsize
+            raise DataError(
+                f"{self.prefixes[k]}.bin: the token at byte offset {offset:,} is id {int(out[at - start])}, "
+                f"beyond the vocabulary of {self.vocab:,}: the shard is damaged; prepare the data again "
+                "(data.verify=checksums finds such damage before training)"
+            )
         return out
 
     def __getstate__(self) -> dict:

@@ -235,6 +235,8 @@ class PromptSamples:
     `prompt_len`, and `index` (the prompt's index in the split: the key of its rollouts and of
     its record)."""
 
+    unit = "prompts"  # what `documents(i)` counts, in a report
+
     def __init__(self, split: PromptSplit, max_len: int, pad_id: int = 0, name: str = "train"):
         longest = int(split.lengths.max()) if len(split) else 0
         if longest > max_len:
@@ -243,10 +245,13 @@ class PromptSamples:
                 "(data.seq_len - grpo.max_response_len): raise data.seq_len, or shorten the prompts "
                 "(--max-prompt-len) or the responses"
             )
-        self.split, self.max_len, self.pad_id = split, max_len, pad_id
+        self.split, self.max_len, self.pad_id, self.name = split, max_len, pad_id, name
 
     def __len__(self) -> int:
         return len(self.split)
+
+    def documents(self, i: int) -> list[int]:
+        return [i]
 
     def get(self, i: int) -> dict[str, np.ndarray]:
         ids, _ = self.split.get(i)

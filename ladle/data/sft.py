@@ -165,7 +165,10 @@ class ChatEncoder:
                     f"{tok.path} does not have; choose another --template"
                 )
             special = {"bos_token": tok.decode([tok.bos_id], False) if tok.bos_id is not None else ""}
-            self.template, self.template_name = ChatTemplate(BUILTIN[template], special), template
+            self.template, self.template_name = (
+                ChatTemplate(BUILTIN[template], special, f"built-in template {template!r}"),
+                template,
+            )
         else:
             raise DataError(f"unknown template {template!r}; built-in templates are {', '.join(BUILTIN)}")
 

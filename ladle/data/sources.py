@@ -161,7 +161,7 @@ def _read_jsonl(path: Path, field: str) -> Iterator[Record]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # a nesting bomb too
                 yield _bad(source, "invalid JSON")
                 continue
             yield _checked(source, obj.get(field, None) if isinstance(obj, dict) else None, field)
@@ -227,7 +227,7 @@ def iter_rows(
                     continue
                 try:
                     obj = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError):
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # a nesting bomb too
                     yield source, None, "invalid JSON"
                     continue
                 if isinstance(obj, dict):

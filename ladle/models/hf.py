@@ -204,8 +204,16 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
     archs = d.get("architectures") or [d.get("model_type")]
     families = [FAMILY_OF[a] for a in archs if a in FAMILY_OF]
     if not families:
+        # A folder's own modelling code (auto_map, transformers' trust_remote_code) is never
+        # imported: ladle computes only the architectures it implements.
+        remote = (
+            f" Its auto_map names remote code ({', '.join(sorted(d['auto_map']))}), which ladle never imports."
+            if isinstance(d.get("auto_map"), dict) and d["auto_map"]
+            else ""
+        )
         raise CheckpointError(
-            f"{path}: architecture {archs} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: architecture {archs} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+            + remote
         )
     family = families[0]
     if d.get("hidden_act", "silu") != "silu":
@@ -471,7 +479,7 @@ def read_hf_config(path) -> ModelConfig:
         raise CheckpointError(f"{folder}: no config.json; expected a Hugging Face model folder")
     try:
         d = json.loads(config_file.read_text())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{config_file}: not valid JSON ({e})") from e
     return model_config_from_hf(d, config_file)
 

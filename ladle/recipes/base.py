@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -215,7 +216,7 @@ def run(
     cfg = found.cfg
     device = dev.pick_device(cfg.train.device, dist.local_rank())
     dev.set_device(device)
-    dist.init(device, cfg.dist.timeout_s)
+    dist.init(device, cfg.dist.timeout_s, trace_dir=str(Path(cfg.output_dir) / "hang"))
     try:
         status = _train(cfg, recipe, samples, found, device, loss, setup, unit_config)
         # Every rank waits for rank 0's sample and run card, then all leave the process group

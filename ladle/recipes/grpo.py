@@ -19,6 +19,7 @@ import time
 import torch
 
 from ladle import distributed as dist
+from ladle import watchdog
 from ladle.config import LadleConfig
 from ladle.config.schema import ModelConfig
 from ladle.data.chat import END_OF_TURN
@@ -164,10 +165,15 @@ class Rollouts:
     def step_metrics(self) -> dict:
         return dict(self.metrics)
 
+    def batch_samples(self) -> dict | None:
+        """The prompts of the rollout batch the last step trained on."""
+        return self.inner.batch_samples()
+
     def next(self) -> list[dict]:
         if self.cached is None or self.uses >= self.reuse:
             step = self.inner.consumed_samples // max(self.inner.global_batch, 1)  # before next()
             micro = self.inner.next()
+            watchdog.phase("generation (rollouts)")
             t0 = time.perf_counter()
             self.cached = self.make(micro, step)
             self.uses = 0

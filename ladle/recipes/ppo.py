@@ -33,6 +33,7 @@ from ladle.recipes import grpo as grpo_recipe
 from ladle.train.builder import build_model
 from ladle.train.checkpoint import POLICY
 from ladle.train.grpo import PolicyLoss, kl_penalty
+from ladle.train.guard import Verdict
 from ladle.train.loop import Trainer
 from ladle.train.loss import IGNORE_INDEX
 from ladle.train.placement import Pair, Remote, serve
@@ -192,11 +193,15 @@ class PairedTrainer(Trainer):
 
     def train_step(self, micro: list[dict[str, torch.Tensor]]) -> dict:
         out = super().train_step(micro)
-        mine = {k: out[k] for k in ("loss", "metrics", "grad_norm", "finite")}
+        mine = {k: out[k] for k in ("loss", "metrics", "grad_norm", "finite", "verdict", "skipped")}
         theirs = self.pair.swap(mine)
         if self.role != CRITIC:
             out["metrics"] = {**out["metrics"], **critic_metrics(theirs)}
+        # both halves count the same bad steps (the actor's guard's verdict, either's non-finite),
+        # so that they roll back or stop alike
         out["finite"] = mine["finite"] and theirs["finite"]
+        out["verdict"] = Verdict.combine(mine["verdict"], theirs["verdict"])
+        out["skipped"] = mine["skipped"] or theirs["skipped"]
         return out
 
     def state(self) -> dict:

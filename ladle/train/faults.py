@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from ladle import distributed as dist
+from ladle import watchdog
 from ladle.errors import ConfigError
 
 _POINTS = {"kill": "step", "kill-node": "step", "kill-save": "save"}
@@ -91,7 +92,8 @@ class Injection:
 
     def stop(self) -> None:
         if self.sleep_s:
-            time.sleep(self.sleep_s)
+            with watchdog.within(f"faults: sleep {self.sleep_s:g} s"):
+                time.sleep(self.sleep_s)
 
 
 class Drill:
@@ -102,10 +104,12 @@ class Drill:
         self.cfg, self.rank = cfg, rank
         self.active = cfg.enabled and first_attempt()
         self.hit = cfg.rank is None or cfg.rank == rank
+        self.fired: set[int] = set()  # once each: a rollback runs a step number again
 
     def at(self, step: int) -> Injection | None:
-        if not self.active:
+        if not self.active or step in self.fired:
             return None
+        self.fired.add(step)
         f = self.cfg
         out = Injection()
         if self.hit and f.nan_at_step == step:

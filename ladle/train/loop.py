@@ -4,14 +4,16 @@ A recipe hands over a trainable unit (ladle/train/unit.py: its model, optimizer,
 precision and clipping), a loader (`next()` -> this rank's microbatches of the step,
 `state_dict()`, `data_s`), a loss object (ladle/train/loss.py) and any other stateful parts to
 checkpoint. The loop decides when things happen: a step, the console line and metrics.jsonl
-(with the loss's own metrics), validation, checkpoints, signals, the non-finite guard. Read it
-top to bottom in `Trainer.fit`; a recipe whose step is more than forward, backward and update
-overrides `train_step`.
+(with the loss's own metrics), validation, checkpoints, signals, and what a bad step leads to
+(ladle/train/guard.py judges it: an event naming the samples, a skip, a rollback or a stop).
+Read it top to bottom in `Trainer.fit`; a recipe whose step is more than forward, backward and
+update overrides `train_step`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -21,10 +23,13 @@ import torch
 
 from ladle import device as dev
 from ladle import distributed as dist
+from ladle import watchdog
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_dict, to_yaml
+from ladle.prelaunch import data_identity
 from ladle.train import faults
-from ladle.train.checkpoint import POLICY, Checkpointer, read_config
+from ladle.train.checkpoint import POLICY, Checkpointer, latest_checkpoint, read_config
+from ladle.train.guard import NONFINITE, OK, Guard, Verdict
 from ladle.train.loss import Loss
 from ladle.train.metrics import format_line
 from ladle.train.unit import TrainUnit
@@ -48,7 +53,8 @@ def config_changes(ckpt: Path, cfg: LadleConfig) -> list[str]:
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many consecutive non-finite steps: the weights were never updated with them."""
+    """Too many bad steps in a row (non-finite, or skipped spikes), and no rollback left: the
+    weights were never updated with them."""
 
 
 class StopSignal:
@@ -99,9 +105,11 @@ class Trainer:
         self.parts = {name: unit, **(parts or {})}
         self.checkpointer = Checkpointer(run.dir, cfg.checkpoint, self.device, log=run.events)
         self.drill = faults.Drill(cfg.faults, dist.rank())  # faults.* switches: off unless enabled
+        self.name = name
+        self.identity = data_identity(cfg)  # the tokenizer and data, which a resume compares
+        self.guard = Guard(cfg.guard)  # judges the policy's steps (a critic's only skips non-finite ones)
         self.step = 0
         self.tokens_seen = 0
-        self.bad_steps = 0
         self.last_val: dict | None = None
         self.last_record: dict | None = None
         self.recipe_metrics: dict = {}  # the loss's metrics of the last logged step
@@ -122,6 +130,8 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "data": self.loader.state_dict(),
             **units.pop(POLICY, {}),
+            "guard": self.guard.state_dict(),
+            "data_identity": self.identity,
             "config_hash": config_hash(self.cfg),
             "adapters_only": self.cfg.lora is not None,  # the frozen base is not in the checkpoint
             "world_size": dist.world_size(),
@@ -136,6 +146,7 @@ class Trainer:
         self.step = int(extra["step"])
         self.tokens_seen = int(extra["tokens_seen"])
         self.loader.load_state_dict(extra["data"])
+        self.guard.load_state_dict(extra.get("guard", {}))
         for name, part in self.parts.items():
             scalars = extra if name == POLICY else extra.get("units", {}).get(name)
             if scalars is not None and hasattr(part, "load_scalars"):
@@ -146,6 +157,7 @@ class Trainer:
             self.run.events("resumed with changed settings: " + "; ".join(changed), level="warning")
 
     def save(self, *, blocking: bool = False) -> None:
+        watchdog.phase("checkpoint")
         self.checkpointer.save(self.step, self.parts, self.state(), to_yaml(self.cfg), blocking=blocking)
         kind = (
             "async checkpoint started"
@@ -156,41 +168,117 @@ class Trainer:
 
     # -- one optimizer step ----------------------------------------------------------------
     def train_step(self, micro: list[dict[str, torch.Tensor]]) -> dict:
-        """Forward and backward of the step's microbatches, then the update. Returns the record
-        the loop logs: loss, lr, grad_norm, finite, skipped, tokens, t_bwd, metrics."""
+        """Forward and backward of the step's microbatches, then the update (unless the guard
+        skips it). Returns the record the loop logs: loss, lr, grad_norm, finite, skipped,
+        verdict, tokens, t_bwd, metrics, local (this rank's loss sum and count), update_ratio on
+        a logged step."""
         result = self.unit.forward_backward(micro, self.loss, self.drill.at(self.step + 1))
-        update = self.unit.step(result.loss)
+        t = self.cfg.train
+        logged = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.max_steps
+        judge = self.guard.judge if self.name == POLICY else None
+        update = self.unit.step(result.loss, judge=judge, measure=logged)
         return {
             "loss": result.loss,
             **update,
             "tokens": result.tokens,
             "t_bwd": result.t_bwd,
             "metrics": result.metrics,
+            "local": result.local,
         }
 
-    def check_finite(self, out: dict) -> None:
-        """A non-finite loss is reported with its step and never reaches the weights: the update
-        is skipped, and after `train.max_bad_steps` in a row the run stops."""
-        if out["finite"]:
-            self.bad_steps = 0
-            return
-        self.bad_steps += 1
+    def after_step(self, out: dict) -> bool:
+        """A bad step (ladle/train/guard.py) is an event naming the samples of its batch and the
+        rank whose loss went wrong; after `guard.max_skips` skipped updates in a row the run rolls
+        back to the last checkpoint (returns True), or stops with the report (TrainingDiverged)."""
+        v = out.get("verdict") or Verdict()
+        if not out["finite"] and v.kind != NONFINITE:  # a unit without a judge (PPO's critic)
+            v = Verdict(
+                NONFINITE, f"non-finite loss ({out['loss']}) or gradient norm ({out['grad_norm']})", True
+            )
+        skipped = v.skip or not out["finite"]
+        if v.kind == OK:
+            self.guard.skips = 0
+            return False
+        g = self.guard
+        g.skips = g.skips + 1 if skipped else 0
+        report = self.batch_report(out, v)
+        what = f"update skipped ({g.skips}/{g.cfg.max_skips} in a row)" if skipped else "update applied"
+        if dist.is_main():  # the report is every rank's, gathered: once is enough
+            self.run.events(f"step {self.step}: {v.why}; {what}. {report}", level="warning")
+        if g.skips < g.cfg.max_skips:
+            return False
+        self.recover(f"{g.skips} skipped steps in a row, the last at step {self.step} ({v.why}). {report}")
+        return True
+
+    def batch_report(self, out: dict, v: Verdict) -> str:
+        """Which rank's loss went wrong, over which samples: every rank's loss sum and the sample
+        indices its loader gave it, gathered (every rank reaches a bad step alike)."""
+        mine = {
+            "rank": dist.rank(),
+            "local": out.get("local") if self.name == POLICY else None,  # a critic's loss is not comparable
+            "samples": self.loader.batch_samples() if hasattr(self.loader, "batch_samples") else None,
+        }
+        every = dist.all_gather_objects(mine)
+        with_loss = [r for r in every if r["local"] is not None]
+        if v.kind == NONFINITE:
+            bad = [r for r in with_loss if not math.isfinite(r["local"][0])]
+            head = (
+                "non-finite loss on " if bad else "the loss is finite on every rank (the gradients are not); "
+            )
+        else:
+            top = max(with_loss, key=lambda r: r["local"][0] / max(r["local"][1], 1), default=None)
+            bad = [top] if top is not None else []
+            head = "highest loss on " if bad else ""
+        parts = []
+        for r in (bad or [r for r in every if r["samples"]])[:8]:
+            loss = ""
+            if r["local"] is not None:
+                loss = f" (loss {r['local'][0] / max(r['local'][1], 1):.4g} over {r['local'][1]} targets)"
+            parts.append(f"rank {r['rank']}{loss}: {describe_samples(r['samples'], self.cfg.data.path)}")
+        return (head if bad else head + "samples by rank: ") + "; ".join(parts)
+
+    def recover(self, report: str) -> None:
+        """Too many skips in a row: roll back to the last checkpoint (the weights, optimizer and
+        schedule of that step, the lr times guard.rollback_lr_factor) and go on reading after the
+        data that led here, or stop with the report."""
+        g = self.guard.cfg
+        self.checkpointer.wait()
+        last = latest_checkpoint(self.run.dir)
+        why = None
+        if g.on_max_skips == "stop":
+            why = "guard.on_max_skips=stop"
+        elif last is None:
+            why = "no checkpoint to roll back to"
+        elif self.guard.rollbacks >= g.max_rollbacks:
+            why = f"{self.guard.rollbacks} rollbacks already (guard.max_rollbacks)"
+        if why is not None:
+            raise TrainingDiverged(
+                f"{report} Stopped ({why}); the weights hold no update from the skipped steps "
+                f"(last good checkpoint: {last or 'none'}). Look at the samples with `ladle data "
+                "show`; lower optim.lr, raise scheduler.warmup_steps, keep train.grad_clip on, or use "
+                "precision.mode=bf16-mixed"
+            )
+        data, done, at = self.loader.state_dict(), self.guard.rollbacks + 1, self.step
+        self.resume_from(last)
+        self.loader.load_state_dict(data)  # on past the batches since the checkpoint
+        self.guard.rollbacks = done
+        if g.rollback_lr_factor != 1.0:
+            for part in self.parts.values():
+                if hasattr(part, "scale_lr"):
+                    part.scale_lr(g.rollback_lr_factor)
+        self.run.trim_metrics(self.step)
         self.run.events(
-            f"step {self.step}: non-finite loss ({out['loss']}) or gradient norm ({out['grad_norm']}); "
-            f"update skipped ({self.bad_steps}/{self.cfg.train.max_bad_steps} in a row)",
+            f"rolled back from step {at} to {last.name} (rollback {done}/{g.max_rollbacks})"
+            + (f", lr x {g.rollback_lr_factor:g}" if g.rollback_lr_factor != 1.0 else "")
+            + "; the data read since that checkpoint is skipped",
             level="warning",
         )
-        if self.bad_steps >= self.cfg.train.max_bad_steps:
-            raise TrainingDiverged(
-                f"{self.bad_steps} non-finite steps in a row, the last at step {self.step}; the weights hold "
-                f"no update from them (last good checkpoint: {self.run.dir}/checkpoints/latest). Lower "
-                "optim.lr, raise scheduler.warmup_steps, or use precision.mode=bf16-mixed"
-            )
 
     # -- validation --------------------------------------------------------------------------
     def evaluate(self) -> dict | None:
         if self.eval_batches is None:
             return None
+        watchdog.phase("validation")
         t0 = time.perf_counter()
         if hasattr(self.loader, "validate"):  # a policy's validation is its own (RL: rewards), not a loss
             rec = {
@@ -214,7 +302,12 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> str:
         """Trains to train.max_steps; returns 'completed', 'exit' (train.exit_at_step or the time
-        limit) or the name of the signal that stopped it."""
+        limit) or the name of the signal that stopped it. The hang watchdog watches it all, the
+        last validation and checkpoint too."""
+        with self.hang_watchdog():
+            return self._fit()
+
+    def _fit(self) -> str:
         cfg, t = self.cfg, self.cfg.train
         run = self.run
         start = time.time()
@@ -235,6 +328,7 @@ class Trainer:
                 self.report_eval(bar)
             while self.step < t.max_steps:
                 t0 = time.perf_counter()
+                watchdog.phase("data", step=self.step + 1)
                 micro = self.loader.next()
                 t_data = time.perf_counter()
                 out = self.train_step(micro)
@@ -242,7 +336,10 @@ class Trainer:
                 t_end = time.perf_counter()
                 self.step += 1
                 self.tokens_seen += out["tokens"]
-                self.check_finite(out)
+                if self.after_step(out):  # rolled back: the loop goes on from the checkpoint's step
+                    window = _new_window()
+                    continue
+                watchdog.step_done(self.step)
                 faults.at("step", self.step)
                 self.drill.after(self.step)
 
@@ -281,6 +378,23 @@ class Trainer:
             )
         return status
 
+    def hang_watchdog(self) -> watchdog.Watchdog:
+        """The hang watchdog's thread for this rank, while the loop runs (ladle/watchdog.py)."""
+        folder = self.run.dir / "hang"
+        if dist.is_main() and self.cfg.watchdog.timeout_s and "TORCH_NCCL_TRACE_BUFFER_SIZE" in os.environ:
+            self.run.events(
+                f"NCCL flight recorder on: a collective timeout dumps to {folder}/nccl_trace_rank_*"
+            )
+        return watchdog.Watchdog(
+            folder,
+            self.cfg.watchdog.timeout_s,
+            self.cfg.dist.timeout_s,
+            rank=dist.rank(),
+            world=dist.world_size(),
+            store=dist.store(),
+            log=lambda msg: self.run.events(msg, level="error"),
+        )
+
     def report_eval(self, bar) -> None:
         if self.cfg.train.eval_steps == 0:
             return
@@ -312,6 +426,8 @@ class Trainer:
             "mem_peak_bytes": dev.peak_memory_bytes(self.device),
             "skipped": out["skipped"],
         }
+        if "update_ratio" in out:
+            rec["update_ratio"] = out["update_ratio"]
         if self.unit.precision.loss_scale is not None:
             rec["loss_scale"] = self.unit.precision.loss_scale
         # the recipe's own, by the names its loss (and a loader that makes rollouts) gives them
@@ -322,6 +438,19 @@ class Trainer:
         self.last_record = rec
         self.recipe_metrics = {**out["metrics"], **extra}
         bar.print(format_line(rec, (*self.loss.console, *getattr(self.loader, "console", ()))))
+
+
+def describe_samples(s: dict | None, data_dir: str) -> str:
+    """A loader's `batch_samples()` as the report says it, with the command that shows them."""
+    if not s:
+        return "no samples here (another rank of its group reads them)"
+    docs = s.get("documents") or []
+    shown = ", ".join(map(str, docs[:32])) + (f" and {len(docs) - 32} more" if len(docs) > 32 else "")
+    show = " ".join(map(str, docs[:32])) + (f" --split {s['split']}" if s["split"] != "train" else "")
+    return (
+        f"samples {s['samples']} of the {s['split']} split ({s['what']} {shown}; "
+        f"see them with `ladle data show {data_dir} {show}`)"
+    )
 
 
 def _new_window() -> dict:

@@ -94,7 +94,7 @@ class RunDir:
         if dist.is_main():
             (self.dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             (self.dir / "config.yaml").write_text(to_yaml(cfg))
-            self._trim_metrics(resume.step)
+            self.trim_metrics(resume.step)
         dist.barrier()
         self.events = EventLog(self.dir, self.console)
         self.metrics = MetricsWriter(self.dir)
@@ -108,6 +108,10 @@ class RunDir:
         where = f"resuming from {resume.path.name}" if resume.path else "starting from step 0 (no checkpoint)"
         if resume.restart:
             self.events(f"restarted attempt: {resume.restart}; {where}, whatever train.resume says")
+        if resume.changed:
+            self.events(
+                f"resumed although {'; '.join(resume.changed)} (train.allow_data_change)", level="warning"
+            )
         found = resume.found
         if found is None:
             return
@@ -121,10 +125,11 @@ class RunDir:
             shutil.rmtree(tmp, ignore_errors=True)
             self.events(f"removed {tmp.name}, a save that was cut short (no manifest); {where}")
 
-    def _trim_metrics(self, step: int) -> None:
-        """Drop records after the resumed step: they will be recomputed, and kept would repeat."""
+    def trim_metrics(self, step: int) -> None:
+        """Drop records after the resumed (or rolled back to) step: they will be recomputed, and
+        kept would repeat. Rank 0's file; events.log keeps what happened."""
         path = self.dir / "metrics.jsonl"
-        if not path.is_file():
+        if not dist.is_main() or not path.is_file():
             return
         keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
         tmp = path.with_suffix(".jsonl.tmp")

@@ -24,8 +24,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ladle import device as dev
+from ladle import watchdog
 from ladle.config import LadleConfig
-from ladle.parallel.clip import clip_grad_norm_
+from ladle.parallel.clip import clip_grad_norm_, total_norm
 from ladle.parallel.mesh import Parallel
 from ladle.train.checkpoint import TRAINABLE
 from ladle.train.loss import Loss, LossOut
@@ -42,6 +43,7 @@ class Result:
     tokens: int  # tokens of the global batch (padding included)
     metrics: dict = field(default_factory=dict)  # the loss's summarized metrics
     t_bwd: float = 0.0  # perf_counter when backward ended (for the step-time breakdown)
+    local: tuple[float, int] | None = None  # this rank's loss sum and count (None: a stage without it)
 
 
 class TrainUnit:
@@ -74,10 +76,12 @@ class TrainUnit:
         local = sum(loss.count(b) for b in micro)
         if inject is not None:
             inject.stop()
-        total = int(par.all_reduce_loss(torch.tensor([local], device=self.device)).item())
+        with watchdog.within("collective: all_reduce (the loss count of the batch)"):
+            total = int(par.all_reduce_loss(torch.tensor([local], device=self.device)).item())
         scale = par.loss_size / max(total, 1)
         self.model.train()
         if self.pipeline is not None:  # the schedule runs every microbatch's forward and backward
+            watchdog.phase("forward and backward (pipeline schedule)")
             with par.loss_context(), self.precision.autocast():
                 outs = self.pipeline.run(micro, loss, scale)
         else:
@@ -86,6 +90,7 @@ class TrainUnit:
                 # A data-parallel wrapper all-reduces gradients on the last microbatch only.
                 sync = i == len(micro) - 1 or not hasattr(self.model, "no_sync")
                 with contextlib.nullcontext() if sync else self.model.no_sync(), par.loss_context():
+                    watchdog.phase("forward")
                     with self.precision.autocast():
                         out = loss(self.model, b)
                         if inject is not None and inject.factor != 1.0:
@@ -93,37 +98,78 @@ class TrainUnit:
                         objective = out.sum * scale
                         if out.extra is not None:
                             objective = objective + out.extra / len(micro)
+                    watchdog.phase("backward")
                     self.precision.scale(objective).backward()
                 out.sum = out.sum.detach()  # the graph is spent: keep the value only
                 outs.append(out)
-        loss_sum, totals = self._reduce(outs)
+        with watchdog.within("collective: all_reduce (loss and metrics)"):
+            loss_sum, totals = self._reduce(outs)
         dev.synchronize(self.device)
+        mine = sum(float(o.sum) for o in outs) if outs else None  # for the guard's report of a bad step
         return Result(
             loss=loss_sum / max(total, 1),
             count=total,
             tokens=sum(loss.tokens(b) for b in micro) * par.loss_size,
             metrics=loss.summarize(totals, total, len(micro) * par.loss_size),
             t_bwd=time.perf_counter(),
+            local=None if mine is None else (mine, local),
         )
 
-    def step(self, loss: float) -> dict:
+    def step(self, loss: float, judge=None, measure: bool = False) -> dict:
         """Unscale, clip and apply the gradients, then advance the schedule. A non-finite loss or
-        gradient norm never reaches the weights: the update is skipped (fp16's scaler backs off)."""
+        gradient norm never reaches the weights: the update is skipped (fp16's scaler backs off).
+        `judge(loss, grad_norm, scaled=)`: the guard's Verdict (ladle/train/guard.py), whose
+        `skip` skips the update too. `measure`: also the update's size relative to the weights
+        (`update_ratio`, ||new - old|| / ||old||; one copy of the trained weights while it runs)."""
+        watchdog.phase("optimizer")
         self.precision.unscale(self.optimizer)
-        grad_norm = float(
-            clip_grad_norm_(self.model.parameters(), self.grad_clip, pp_group=self.parallel.pp_group)
-        )
-        finite = math.isfinite(loss) and (math.isfinite(grad_norm) or self.precision.scaler is not None)
-        if finite:
+        with watchdog.within("collective: gradient norm"):
+            grad_norm = float(
+                clip_grad_norm_(self.model.parameters(), self.grad_clip, pp_group=self.parallel.pp_group)
+            )
+        scaled = self.precision.scaler is not None
+        verdict = judge(loss, grad_norm, scaled=scaled) if judge is not None else None
+        finite = math.isfinite(loss) and (math.isfinite(grad_norm) or scaled)
+        out = {}
+        if finite and not (verdict is not None and verdict.skip):
+            params = [p for p in self.model.parameters() if p.requires_grad] if measure else []
+            before = [p.detach().clone() for p in params]
             stepped = self.precision.step(self.optimizer)
+            if measure:
+                out["update_ratio"] = self.update_ratio(before, params)
         else:
             stepped = False
-            if self.precision.scaler:  # let the scaler back off as it would for inf gradients
+            if not finite and self.precision.scaler:  # back off as it would for inf gradients
                 self.precision.scaler.update(self.precision.scaler.get_scale() / 2)
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
         self.scheduler.step()
-        return {"lr": lr, "grad_norm": grad_norm, "finite": finite, "skipped": not stepped}
+        return {
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "finite": finite,
+            "skipped": not stepped,
+            "verdict": verdict,
+            **out,
+        }
+
+    @torch.no_grad()
+    def update_ratio(self, before: list[torch.Tensor], params: list[torch.Tensor]) -> float:
+        """||new - old|| / ||old|| over every trained weight (sharded ones over all their shards,
+        the pipeline stages' summed), what one watches for divergence (healthy: around 1e-3)."""
+        old = total_norm(before, pp_group=self.parallel.pp_group)  # every stage joins, even one without
+        if before:
+            torch._foreach_sub_(before, [p.detach() for p in params])  # old - new, in place
+        return float(total_norm(before, pp_group=self.parallel.pp_group)) / max(float(old), 1e-30)
+
+    def scale_lr(self, factor: float) -> None:
+        """The learning rate times `factor` from now on (a rollback's): the schedule's base, so
+        that it is checkpointed with the schedule, and the current one."""
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        for g in self.optimizer.param_groups:
+            g["lr"] *= factor
+            if "initial_lr" in g:
+                g["initial_lr"] *= factor
 
     @torch.no_grad()
     def evaluate(self, batches, loss: Loss) -> tuple[float, int, dict] | None:

@@ -52,6 +52,8 @@ def test_a_nan_step_is_skipped_and_the_run_continues(tiny_config, tmp_path, caps
     assert got[1]["loss"] is None  # NaN, written as null in metrics.jsonl
     events = (Path(cfg["output_dir"]) / "events.log").read_text()
     assert "step 2: non-finite loss (nan)" in events and "update skipped (1/3 in a row)" in events
+    # the report names the rank and the samples of the batch, and how to see them
+    assert "non-finite loss on rank 0 (loss nan over" in events and "ladle data show" in events
     # the weights never saw the NaN: step 1 as the clean run, and step 3 trains on finite numbers
     assert (
         got[0]["loss"] == ref[0]["loss"]
@@ -62,9 +64,11 @@ def test_a_nan_step_is_skipped_and_the_run_continues(tiny_config, tmp_path, caps
 
 def test_nan_steps_in_a_row_stop_the_run_naming_the_last_good_checkpoint(tiny_config):
     cfg = config(tiny_config, nan_at_step=3)
-    cfg["train"]["max_bad_steps"] = 1
+    cfg["guard"] = {"max_skips": 1, "on_max_skips": "stop"}
     with pytest.raises(
-        TrainingDiverged, match=r"1 non-finite steps in a row, the last at step 3.*checkpoints/latest"
+        TrainingDiverged,
+        match=r"1 skipped steps in a row, the last at step 3 \(non-finite loss.*guard.on_max_skips=stop.*"
+        r"last good checkpoint: \S+/checkpoints/step_00000002\)",
     ):
         load("pretrain").run(build_config(cfg))
 
@@ -115,11 +119,14 @@ def test_the_collective_timeout_is_the_configs(tiny_config, monkeypatch):
     seen = []
     real = distributed.init
     monkeypatch.setattr(
-        distributed, "init", lambda device, timeout_s=600.0: seen.append(timeout_s) or real(device, timeout_s)
+        distributed,
+        "init",
+        lambda device, timeout_s=600.0, **kw: seen.append(timeout_s) or real(device, timeout_s),
     )
     cfg = config(tiny_config)
     cfg["train"]["max_steps"] = 1
     cfg["scheduler"] = {"name": "constant", "warmup_steps": 0}
     cfg["dist"] = {"timeout_s": 42}
+    cfg["watchdog"] = {"timeout_s": 20}  # below it, to name a hung rank first
     assert load("pretrain").run(build_config(cfg)) == "completed"
     assert seen == [42.0]
