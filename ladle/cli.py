@@ -288,6 +288,14 @@ def cmd_export_peft(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from ladle.doctor import FAIL, as_json, format_checks, run_checks
+
+    checks = run_checks(args.output_dir, gemm=not args.no_gemm)
+    print(json.dumps(as_json(checks), indent=2) if args.json else format_checks(checks))
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
 def cmd_checkpoint_verify(args) -> int:
     from ladle.train.checkpoint import check_report
 
@@ -633,6 +641,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", default=None, help="default: the model's own")
     add_inference_args(s)
     s.set_defaults(fn=cmd_eval)
+
+    s = sub.add_parser(
+        "doctor",
+        help="is this machine ready: versions, devices, backends, environment, links, disk, GEMM peak "
+        "(exit 1 when a check fails)",
+    )
+    s.add_argument("--output-dir", default="runs", help="where checkpoints will go (free space, write speed)")
+    s.add_argument("--no-gemm", action="store_true", help="skip the GEMM measurement")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_doctor)
 
     s = sub.add_parser("generate", help="sample from a checkpoint or Hugging Face folder")
     s.add_argument("--model", required=True)

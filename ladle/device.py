@@ -5,6 +5,7 @@ Everything else asks this module instead of calling `torch.cuda` or `torch.npu` 
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -111,6 +112,30 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.npu.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """The caching allocator's reserved peak (what the device really gave the process; beside the
+    allocated peak it shows fragmentation); None on a CPU, which has no such allocator."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    if device.type == "npu":
+        return int(torch.npu.max_memory_reserved(device))
+    return None
+
+
+ALLOC_CONF_VARS = {"cuda": "PYTORCH_CUDA_ALLOC_CONF", "npu": "PYTORCH_NPU_ALLOC_CONF"}
+
+
+def apply_alloc_conf(device_type: str, conf: str) -> str | None:
+    """The config's allocator setting (`device.alloc_conf`, e.g. `expandable_segments:True`) in
+    the variable the device's caching allocator reads (before its first allocation); returns the
+    variable set, or None (a CPU has no such allocator)."""
+    var = ALLOC_CONF_VARS.get(device_type)
+    if not conf or var is None:
+        return None
+    os.environ[var] = conf
+    return var
 
 
 def supports_bf16(device: torch.device) -> bool:

@@ -572,6 +572,17 @@ class GuardConfig(Section):
         return self
 
 
+class DeviceConfig(Section):
+    """The accelerator's own settings (ladle/device.py)."""
+
+    alloc_conf: str = Field(
+        "",
+        description="the caching allocator's settings, e.g. expandable_segments:True (less "
+        "fragmentation), set as PYTORCH_CUDA_ALLOC_CONF on CUDA or PYTORCH_NPU_ALLOC_CONF on NPU; "
+        "'': as the environment says",
+    )
+
+
 class DistConfig(Section):
     """The process group (ladle/distributed.py)."""
 
@@ -649,6 +660,7 @@ class LadleConfig(Section):
     ppo: PPOConfig = PPOConfig()
     rewards: RewardsConfig = RewardsConfig()
     guard: GuardConfig = GuardConfig()
+    device: DeviceConfig = DeviceConfig()
     dist: DistConfig = DistConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     faults: FaultsConfig = FaultsConfig()

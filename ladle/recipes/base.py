@@ -215,6 +215,7 @@ def run(
     found = check(cfg, recipe)  # init_from, tokenizer and data, before anything is written
     cfg = found.cfg
     device = dev.pick_device(cfg.train.device, dist.local_rank())
+    dev.apply_alloc_conf(device.type, cfg.device.alloc_conf)  # before the first allocation
     dev.set_device(device)
     dist.init(device, cfg.dist.timeout_s, trace_dir=str(Path(cfg.output_dir) / "hang"))
     try:

@@ -426,6 +426,9 @@ class Trainer:
             "mem_peak_bytes": dev.peak_memory_bytes(self.device),
             "skipped": out["skipped"],
         }
+        reserved = dev.peak_reserved_bytes(self.device)
+        if reserved is not None:  # the allocator's reserved peak: with mem_peak_bytes, fragmentation
+            rec["mem_reserved_bytes"] = reserved
         if "update_ratio" in out:
             rec["update_ratio"] = out["update_ratio"]
         if self.unit.precision.loss_scale is not None:

@@ -25,6 +25,7 @@ import torch
 import ladle
 from ladle import device as dev
 from ladle import distributed as dist
+from ladle import doctor
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_yaml
 from ladle.train.checkpoint import (
@@ -149,11 +150,7 @@ class RunDir:
                 "config_hash": config_hash(self.cfg),
                 "git_commit": _git_commit(),
                 "command": sys.argv,
-                "versions": {
-                    "ladle": ladle.__version__,
-                    "torch": torch.__version__,
-                    "python": platform.python_version(),
-                },
+                "versions": doctor.versions(),  # as `ladle doctor` reports them
                 "host": platform.node(),
                 "device": {
                     "type": self.device.type,
