@@ -129,6 +129,7 @@ def cmd_launch_slurm(args) -> int:
         max_restarts=args.max_restarts,
         env=args.env,
         force=args.force,
+        accelerator=args.accelerator,
     )
     print(
         f"{path}: {args.nodes} nodes x {args.gpus_per_node} processes, layout {lay.describe()}; submit with: sbatch {path}"
@@ -294,6 +295,40 @@ def cmd_doctor(args) -> int:
     checks = run_checks(args.output_dir, gemm=not args.no_gemm)
     print(json.dumps(as_json(checks), indent=2) if args.json else format_checks(checks))
     return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def cmd_rank_table(args) -> int:
+    from ladle import ranktable
+
+    if args.check:
+        problems = ranktable.check(ranktable.load(args.check))
+        if problems:
+            raise LadleError(f"{args.check}: " + "; ".join(problems))
+        table = ranktable.load(args.check)
+        ranks = sum(len(s["device"]) for s in table["server_list"])
+        print(f"{args.check}: valid, {table['server_count']} servers, {ranks} ranks")
+        return 0
+    if args.hccn:
+        import socket
+
+        server = args.server_id or socket.gethostbyname(socket.gethostname())
+        servers, ips = [server], {server: ranktable.local_device_ips(args.devices_per_node)}
+    elif args.hosts and args.device_ips:
+        servers, ips = ranktable.read_hosts(args.hosts), ranktable.read_device_ips(args.device_ips)
+    else:
+        raise LadleError("give --hosts FILE and --device-ips FILE, or --hccn (this node), or --check FILE")
+    text = json.dumps(ranktable.build(servers, ips, args.devices_per_node), indent=2) + "\n"
+    if args.output:
+        tmp = Path(f"{args.output}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, args.output)
+        print(
+            f"wrote {args.output}: {len(servers)} servers, {len(servers) * args.devices_per_node} ranks",
+            file=sys.stderr,
+        )
+    else:
+        print(text, end="")
+    return 0
 
 
 def cmd_checkpoint_verify(args) -> int:
@@ -484,6 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--max-restarts", type=int, default=0)
     sl.add_argument("--env", action="append", metavar="NAME=VALUE", help="repeatable; exported in the job")
     sl.add_argument(
+        "--accelerator",
+        choices=["gpu", "npu"],
+        default="gpu",
+        help="npu: asks for --gres=npu:N, sources CANN's set_env.sh and exports the HCCL settings of "
+        "docs/ascend.md (each overridable with --env)",
+    )
+    sl.add_argument(
         "--no-paths", action="store_true", help="skip the tokenizer and data checks (paths of the cluster)"
     )
     sl.add_argument("--force", action="store_true")
@@ -641,6 +683,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", default=None, help="default: the model's own")
     add_inference_args(s)
     s.set_defaults(fn=cmd_eval)
+
+    s = sub.add_parser(
+        "rank-table",
+        help="Ascend: write HCCL's rank_table.json (from a hosts file and device IPs, or hccn_tool on "
+        "this node), or --check one",
+    )
+    s.add_argument("--hosts", help="server IPs, one a line, in rank order")
+    s.add_argument("--device-ips", help="'SERVER_IP DEVICE_ID DEVICE_IP' a line")
+    s.add_argument("--hccn", action="store_true", help="this node's device IPs from hccn_tool")
+    s.add_argument("--server-id", help="with --hccn: this server's IP (default: its hostname's)")
+    s.add_argument("--devices-per-node", type=int, default=8)
+    s.add_argument("-o", "--output", help="the file to write (default: standard output)")
+    s.add_argument("--check", metavar="FILE", help="validate a rank table: exit 2 naming every problem")
+    s.set_defaults(fn=cmd_rank_table)
 
     s = sub.add_parser(
         "doctor",

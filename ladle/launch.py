@@ -21,6 +21,12 @@ from pathlib import Path
 
 from ladle.errors import LadleError
 
+# The HCCL settings an Ascend job starts with (`--accelerator npu`; `--env` overrides each):
+# connecting many ranks takes longer than HCCL's default 120 s, and a collective's execution
+# timeout must stay above ladle's dist.timeout_s (600 s by default) so that ladle's names it.
+HCCL_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": "1800", "HCCL_EXEC_TIMEOUT": "1800"}
+ASCEND_ENV = 'source "${ASCEND_TOOLKIT_HOME:-/usr/local/Ascend/ascend-toolkit/latest}/../set_env.sh"'
+
 TEMPLATE = """#!/bin/bash
 # Written by `ladle launch slurm`; submit with: sbatch {script}
 #SBATCH --job-name={job_name}
@@ -65,7 +71,10 @@ def write_sbatch(
     max_restarts: int = 0,
     env: list[str] | None = None,
     force: bool = False,
+    accelerator: str = "gpu",
 ) -> Path:
+    """`accelerator`: gpu (`--gpus-per-node`) or npu (`--gres=npu:N`, CANN's environment sourced,
+    the HCCL_DEFAULTS exported before the user's `env`)."""
     if nodes < 1 or gpus_per_node < 1:
         raise LadleError("--nodes and --gpus-per-node must be at least 1")
     for kv in env or []:
@@ -74,21 +83,33 @@ def write_sbatch(
     path = Path(out)
     if path.exists() and not force:
         raise LadleError(f"{path} exists; pass --force to overwrite it")
+    if accelerator not in ("gpu", "npu"):
+        raise LadleError(f"--accelerator {accelerator!r}: choose gpu or npu")
     extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
+    exports = dict(kv.split("=", 1) for kv in env or [])
+    if accelerator == "npu":
+        exports = {**HCCL_DEFAULTS, **exports}
     cpus = cpus_per_task or 8 * gpus_per_node
     log_dir = Path.cwd() / "slurm-logs"  # must exist when the job starts
     text = TEMPLATE.format(
         script=shlex.quote(str(path)),
         job_name=job_name,
         nodes=nodes,
-        gpus_line=f"#SBATCH --gpus-per-node={gpus_per_node}\n",
+        gpus_line=(
+            f"#SBATCH --gpus-per-node={gpus_per_node}\n"
+            if accelerator == "gpu"
+            else f"#SBATCH --gres=npu:{gpus_per_node}\n"
+        ),
         cpus=cpus,
         time=time,
         log_dir=shlex.quote(str(log_dir)),
         extra=extra.rstrip("\n"),
         workdir=shlex.quote(os.getcwd()),
         threads=max(1, cpus // gpus_per_node),
-        env="\n".join(f"export {kv.split('=', 1)[0]}={shlex.quote(kv.split('=', 1)[1])}" for kv in env or []),
+        env="\n".join(
+            ([ASCEND_ENV] if accelerator == "npu" else [])
+            + [f"export {k}={shlex.quote(v)}" for k, v in exports.items()]
+        ),
         ladle=f"{shlex.quote(sys.executable)} -m ladle",  # this environment's ladle on every node
         recipe=recipe,
         config=shlex.quote(str(Path(config).resolve()) if Path(config).exists() else config),

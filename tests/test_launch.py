@@ -3,6 +3,7 @@
 import os
 import subprocess
 
+import pytest
 import yaml
 
 from ladle.cli import main
@@ -66,6 +67,23 @@ def test_sbatch_script_starts_one_torchrun_per_node(tiny_config, tmp_path, capsy
     assert got["--rdzv-endpoint"] == "node-a:29500" and "--node-rank" not in got  # c10d assigns it
     assert got["--rdzv-id"] == "4242"  # the same in a requeued attempt: it resumes by itself
     assert args[-3:-1] == ["parallel.tp=2", "optim.lr=1e-4"]
+
+
+def test_an_npu_job_asks_for_npus_and_sets_up_cann_and_hccl(tiny_config, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = write_cfg(tiny_config, tmp_path)
+    script = tmp_path / "npu.sbatch"
+    argv = ["launch", "slurm", "pretrain", "--config", str(cfg), "--nodes", "2", "--gpus-per-node", "8"]
+    argv += ["--accelerator", "npu", "--env", "HCCL_CONNECT_TIMEOUT=600", "--output", str(script)]
+    assert main(argv) == 0
+    text = script.read_text()
+    assert "#SBATCH --gres=npu:8" in text and "--gpus-per-node" not in text
+    assert 'source "${ASCEND_TOOLKIT_HOME:-/usr/local/Ascend/ascend-toolkit/latest}/../set_env.sh"' in text
+    assert "export HCCL_CONNECT_TIMEOUT=600" in text  # the user's setting wins over the template's
+    assert "export HCCL_EXEC_TIMEOUT=1800" in text and "HCCL_CONNECT_TIMEOUT=1800" not in text
+    with pytest.raises(SystemExit) as e:  # argparse refuses another accelerator
+        main([*argv[:-6], "--accelerator", "tpu"])
+    assert e.value.code == 2
 
 
 def test_a_layout_that_does_not_fit_writes_no_script(tiny_config, tmp_path, capsys, monkeypatch):
