@@ -161,3 +161,19 @@ def test_every_key_is_documented():
 
     missing = [p for p in paths(LadleConfig) if f"`{p}`" not in doc]
     assert not missing, f"undocumented config keys: {missing}"
+
+
+def test_the_config_reference_is_generated_from_the_schema_and_current():
+    """docs/config.md's table is what ladle/config/reference.py renders from the schema: every key
+    with its type, default and description (after a schema change: python -m
+    ladle.config.reference --write docs/config.md)."""
+    from pathlib import Path
+
+    from ladle.config.reference import current, rows
+
+    assert current(Path(__file__).parent.parent / "docs" / "config.md")
+    got = {key: (kind, default, meaning) for key, kind, default, meaning in rows()}
+    assert got["train.max_steps"] == ("int", "`1000`", "optimizer steps; the schedule spans them")
+    assert got["guard.on_max_skips"][:2] == ("rollback \\| stop", "`rollback`")
+    assert got["tokenizer.path"][1] == "required" and got["lora.targets"][0] == "list of str"
+    assert all(meaning for _, _, meaning in got.values()), [k for k, v in got.items() if not v[2]]

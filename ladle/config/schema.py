@@ -36,23 +36,30 @@ class MoEConfig(Section):
     """Mixture of experts in every layer's MLP (Mixtral, Qwen3-MoE): a softmax router picks
     `top_k` of `n_experts` SwiGLU experts per token, with no token dropped (see ladle/models/moe.py)."""
 
-    n_experts: int | None = Field(None, ge=2, description="required unless model.init_from gives it")
-    top_k: int = Field(2, ge=1)
+    n_experts: int | None = Field(None, ge=2, description="experts per block (required)")
+    top_k: int = Field(2, ge=1, description="experts each token is routed to; at most `n_experts`")
     ffn_dim: int | None = Field(
         None,
         ge=1,
-        description="hidden size of each expert's SwiGLU; required unless model.init_from gives it",
+        description="SwiGLU hidden size of one expert (required)",
     )
     norm_topk_prob: bool = Field(
-        True, description="renormalise the top-k router probabilities to sum to 1 (Mixtral: always)"
+        True,
+        description="renormalize the top-k router probabilities to sum to 1 (Mixtral always does; Qwen3-MoE's config names it)",
     )
     aux_loss_weight: float = Field(
-        0.001, ge=0, description="load-balancing loss weight (HF router_aux_loss_coef); 0 disables"
+        0.001,
+        ge=0,
+        description="weight of the load-balancing loss `n_experts * sum_e f_e * P_e` (Switch/Mixtral form, averaged over layers); 0 turns it off",
     )
-    z_loss_weight: float = Field(0.0, ge=0, description="router z-loss weight (ST-MoE uses 1e-3); 0 disables")
+    z_loss_weight: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the router z-loss `mean(logsumexp(router logits)^2)` (ST-MoE); 0 turns it off",
+    )
     dispatch: Literal["auto", "grouped_mm", "loop"] = Field(
         "auto",
-        description="expert matmuls: one grouped matmul, a loop over experts, or auto (grouped where it runs)",
+        description="`grouped_mm` (one grouped matmul over tokens sorted by expert), `loop` (one matmul per expert) or `auto` (grouped where this PyTorch and device run it)",
     )
 
     @model_validator(mode="after")
@@ -69,34 +76,48 @@ class ModelConfig(Section):
 
     preset: str | None = Field(
         None,
-        description="a bundled model definition (e.g. llama-3.1-8b) that fills this section's other keys",
+        description="a bundled model definition whose shape fills the model section (keys set beside it win): `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`, `llama-3.1-70b`, `llama-2-70b`, `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`, `qwen3-8b`, `qwen3-32b`, `qwen3-30b-a3b`, `mistral-7b`, `mixtral-8x7b` (files in `ladle/config/presets/`)",
     )
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] = "llama"
-    vocab_size: int = Field(32000, ge=1)
-    dim: int = Field(512, ge=1)
-    n_layers: int = Field(8, ge=1)
-    n_heads: int = Field(8, ge=1)
-    n_kv_heads: int | None = Field(None, ge=1, description="None: same as n_heads (no GQA)")
-    head_dim: int | None = Field(None, ge=1, description="None: dim // n_heads")
-    ffn_dim: int = Field(1408, ge=1, description="hidden size of the dense SwiGLU (unused when moe is set)")
-    max_seq_len: int = Field(2048, ge=1)
-    rope_theta: float = Field(10000.0, gt=0)
-    rope_scaling: RopeScaling | None = None
-    norm_eps: float = Field(1e-5, gt=0)
-    tie_embeddings: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    init_std: float = Field(0.02, gt=0)
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] = Field(
+        "llama",
+        description="`llama`, `qwen2` (with `qkv_bias`), `qwen3` (with `qk_norm`), `mistral`, or the mixture-of-experts `mixtral` and `qwen3_moe` (with `model.moe`): the Hugging Face architecture of `ladle export hf` (docs/training.md)",
+    )
+    vocab_size: int = Field(32000, ge=1, description="embedding rows; at least the tokenizer's vocabulary")
+    dim: int = Field(512, ge=1, description="hidden size")
+    n_layers: int = Field(8, ge=1, description="transformer blocks")
+    n_heads: int = Field(8, ge=1, description="query heads")
+    n_kv_heads: int | None = Field(
+        None, ge=1, description="key/value heads (grouped-query attention); null: `n_heads`"
+    )
+    head_dim: int | None = Field(None, ge=1, description="null: `dim // n_heads` (Qwen3 sets it explicitly)")
+    ffn_dim: int = Field(
+        1408,
+        ge=1,
+        description="SwiGLU hidden size (unused when `model.moe` is set: each expert has `model.moe.ffn_dim`)",
+    )
+    max_seq_len: int = Field(2048, ge=1, description="the longest sequence the model is meant for")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    rope_scaling: RopeScaling | None = Field(
+        None,
+        description="Llama-3.1 scaling: `{type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}`",
+    )
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
+    tie_embeddings: bool = Field(False, description="output head shares the input embedding")
+    qkv_bias: bool = Field(False, description="bias on q/k/v projections (Qwen2)")
+    qk_norm: bool = Field(False, description="RMSNorm on q and k per head (Qwen3)")
+    init_std: float = Field(
+        0.02,
+        gt=0,
+        description="std of the normal init; output projections get `init_std / sqrt(2 * n_layers)`",
+    )
     head: Literal["lm", "score"] = Field(
         "lm",
-        description="lm: next-token logits; score: one scalar per position (a reward model's head, "
-        "HF's ...ForSequenceClassification with num_labels 1); `ladle run reward` sets it",
+        description="`lm`: next-token logits; `score`: one scalar per position, a reward model's head (HF's `score.weight`, `...ForSequenceClassification`); `ladle run reward` sets it, and it may differ from `init_from`'s (a causal LM's head is then replaced by a new one)",
     )
     moe: MoEConfig | None = Field(None, description="mixture of experts in every layer; None: dense")
     init_from: str | None = Field(
         None,
-        description="a Hugging Face model folder, ladle checkpoint or run directory to start from: it gives "
-        "the shape and the weights (not the optimizer state or the step)",
+        description="a Hugging Face model folder, a ladle checkpoint or a run directory (its latest checkpoint) to start from: its `config.json` (or the checkpoint's model section) fills the model section (keys set in the config must agree, except `max_seq_len`, `init_std` and the run's own `moe.aux_loss_weight`, `moe.z_loss_weight` and `moe.dispatch`), its safetensors (or the checkpoint's model state; not the optimizer or the step) the weights; a resumed run takes its weights from the checkpoint instead",
     )
 
     @property
@@ -135,44 +156,44 @@ class ModelConfig(Section):
 
 
 class TokenizerConfig(Section):
-    path: str = Field(..., description="folder with a Hugging Face tokenizer.json")
+    path: str = Field(..., description="a folder with a Hugging Face `tokenizer.json`")
 
 
 class DataConfig(Section):
-    path: str = Field(..., description="folder written by `ladle data prepare`")
-    seq_len: int = Field(512, ge=1)
-    prefetch: int = Field(2, ge=1, description="batches prepared ahead in the background")
+    path: str = Field(..., description="a folder written by `ladle data prepare`")
+    seq_len: int = Field(512, ge=1, description="tokens per training sequence")
+    prefetch: int = Field(2, ge=1, description="steps of batches built ahead in a background thread")
     shared_read: bool = Field(
         True,
-        description="ranks of one TP/CP/PP group: the first reads each step's batches and broadcasts "
-        "them, the others receive (false: each reads its own copy)",
+        description="the ranks of one TP, CP or PP group: the first reads each step's batches and broadcasts them, the others receive (false: each reads its own copy)",
     )
     packing: bool = Field(
         True,
-        description="SFT: several chats per row (each its own document); false: one chat per row, padded",
+        description="`ladle run sft`: chats packed into rows, each its own document; `false`: one chat per row, padded (docs/finetuning.md)",
     )
     document_mask: bool = Field(
         True,
-        description="packed documents attend only to themselves, with positions restarting at each; "
-        "false: plain causal attention over the whole sample",
+        description="packed documents attend only to themselves and their RoPE positions restart; `false`: each sample is one causal sequence (needed by `parallel.cp_attention: ring`)",
     )
     verify: Literal["sizes", "checksums"] = Field(
         "sizes",
-        description="before training: every file meta.json lists is there, whole (its size) and agrees "
-        "with its index; checksums: also its sha256 (reads all the data once)",
+        description="before training, every file `meta.json` lists must be there with the size it was written with, and each shard must agree with its index (a missing, truncated or mismatched file is named with its offset); `checksums`: also each file's sha256 (reads all the data once; a damaged shard is named with its first bad token's offset)",
     )
 
 
 class OptimConfig(Section):
-    name: Literal["adamw"] = "adamw"
-    lr: float = Field(3e-4, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    decay_norms_biases_embeddings: bool = Field(
-        False, description="apply weight decay to norms, biases and embeddings too"
+    name: Literal["adamw"] = Field("adamw", description="the optimizer: AdamW (decoupled weight decay)")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.1, ge=0, description="applied to weight matrices only")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.95), description="AdamW's decay rates of the first and second moments"
     )
-    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    eps: float = Field(1e-8, gt=0, description="AdamW's term added to the root of the second moment")
+    decay_norms_biases_embeddings: bool = Field(False, description="also decay norms, biases and embeddings")
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = Field(
+        "auto",
+        description="`fused` (CUDA, CPU), `foreach` (elsewhere), or force `fused`/`foreach`/`for-loop`",
+    )
 
     @field_validator("betas")
     @classmethod
@@ -183,98 +204,150 @@ class OptimConfig(Section):
 
 
 class SchedulerConfig(Section):
-    name: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of optim.lr")
+    name: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="`cosine`, `linear`, `constant` or `wsd` (warmup-stable-decay)"
+    )
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from `lr / warmup_steps` to `lr`")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="the final lr of cosine, linear and wsd, as a fraction of `optim.lr`"
+    )
     decay_ratio: float = Field(
-        0.2, gt=0, le=1, description="wsd: fraction of the steps after warmup spent decaying"
+        0.2, gt=0, le=1, description="wsd: the fraction of post-warmup steps spent decaying (linearly)"
     )
 
 
 class TrainConfig(Section):
-    max_steps: int = Field(1000, ge=1)
-    micro_batch_size: int = Field(8, ge=1)
-    grad_accum_steps: int = Field(1, ge=1)
-    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
-    log_every: int = Field(10, ge=1)
-    eval_every: int = Field(0, ge=0, description="0: only at the end")
-    eval_steps: int = Field(10, ge=0, description="validation batches per evaluation; 0 disables")
-    eval_at_start: bool = Field(False, description="validate once before the first step too (a baseline)")
+    max_steps: int = Field(1000, ge=1, description="optimizer steps; the schedule spans them")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per forward pass per rank")
+    grad_accum_steps: int = Field(
+        1,
+        ge=1,
+        description="microbatches per optimizer step; global batch = micro x accum x data-parallel ranks",
+    )
+    grad_clip: float = Field(
+        1.0, ge=0, description="global gradient-norm clip; 0 disables (the norm is still logged)"
+    )
+    log_every: int = Field(10, ge=1, description="steps between console lines and `metrics.jsonl` records")
+    eval_every: int = Field(0, ge=0, description="steps between validations; 0: only at the end")
+    eval_steps: int = Field(
+        10,
+        ge=0,
+        description="validation batches per evaluation; 0 disables validation (RL recipes: batches of held-out prompts, their rewards)",
+    )
+    eval_at_start: bool = Field(
+        False,
+        description="validate once before the first step too: the baseline of the run (verl's val_before_train)",
+    )
     resume: str = Field(
-        "never", description="never | auto (continue from checkpoints/latest) | PATH of a checkpoint"
+        "never",
+        description="`never` (refuse an output_dir holding a run), `auto` (continue from `checkpoints/latest`, or start fresh), or the path of a checkpoint",
     )
     exit_at_step: int = Field(
-        0, ge=0, description="stop (with a checkpoint) at this step, keeping the max_steps schedule; 0: off"
+        0, ge=0, description="stop with a checkpoint at this step, keeping the `max_steps` schedule (0: off)"
     )
     exit_after_minutes: float = Field(
         0,
         ge=0,
-        description="stop (with a checkpoint) after this much wall time, e.g. a job's time limit; 0: off",
+        description="stop with a checkpoint after this wall time, e.g. before a job's time limit (0: off)",
     )
-    device: str = Field("auto", description="auto | cpu | cuda | npu (optionally with :index)")
+    device: str = Field(
+        "auto", description="`auto` (CUDA, then NPU, then CPU), `cpu`, `cuda`, `npu`, optionally `:index`"
+    )
     allow_data_change: bool = Field(
         False,
-        description="resume although the tokenizer or the prepared data differ from the checkpoint's "
-        "(else refused, naming what changed)",
+        description="resume although the tokenizer or the prepared data differ from those the checkpoint was trained on (each checkpoint records their hashes); otherwise such a resume is refused naming what changed",
     )
-    threads: int = Field(0, ge=0, description="CPU threads for torch; 0 leaves torch's default")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 leaves torch's default")
     compile: bool = Field(
         False,
-        description="torch.compile each transformer block (inductor: CPU and CUDA); the first step pays for it",
+        description="`torch.compile` each transformer block (inductor, on CPU and CUDA; needs a C++ compiler on CPU). Norms, RoPE, SwiGLU and casts fuse; attention and the KV cache stay eager (attention is compiled too under `parallel.tp > 1`, docs/training.md). The first step and the first validation pay the compile time (~15 s for bench-30m on 2 cores), then bench-30m trains 5-8% faster on CPU (docs/performance.md).",
     )
 
 
 class PrecisionConfig(Section):
     mode: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16"] = Field(
         "bf16-mixed",
-        description="auto: bf16-mixed where the device computes bf16 natively, else fp16-mixed "
-        "(a GPU without bf16) or fp32 (a CPU that only emulates bf16)",
+        description="`fp32`, `bf16-mixed`, `fp16-mixed` (dynamic loss scaling), `bf16` (pure bf16) or `auto` (bf16-mixed where the device computes bf16 natively, else fp16-mixed on a GPU or fp32 on a CPU; [training.md](training.md#precision))",
     )
-    init_loss_scale: float = Field(2.0**16, gt=0, description="fp16-mixed: starting loss scale")
-    loss_scale_window: int = Field(1000, ge=1, description="fp16-mixed: good steps before growth")
+    init_loss_scale: float = Field(2.0**16, gt=0, description="fp16-mixed: the first loss scale")
+    loss_scale_window: int = Field(
+        1000, ge=1, description="fp16-mixed: steps without overflow before the scale doubles"
+    )
 
 
 class CheckpointConfig(Section):
-    every: int = Field(0, ge=0, description="save every N steps; 0: only at the end")
-    keep_last: int = Field(2, ge=1)
-    async_save: bool = False
+    every: int = Field(
+        0, ge=0, description="steps between checkpoints; one is always saved at the end (0: only then)"
+    )
+    keep_last: int = Field(
+        2, ge=1, description="complete checkpoints kept; older ones are removed after a newer one is complete"
+    )
+    async_save: bool = Field(
+        False, description="write through DCP's async save: the loop stalls only for the staging copy"
+    )
 
 
 class ParallelConfig(Section):
     """The parallel layout over all processes (ladle/parallel/mesh.py): their product is the world
     size. Checked against the world and the model before any process starts."""
 
-    dp_replicate: int = Field(1, ge=1, description="data-parallel replicas (DDP alone; HSDP with dp_shard)")
-    dp_shard: int = Field(-1, ge=-1, description="FSDP2 shards; -1 takes what the other degrees leave")
-    tp: int = Field(1, ge=1, description="tensor parallel (with sequence parallel and loss parallel)")
-    pp: int = Field(1, ge=1, description="pipeline stages")
-    cp: int = Field(1, ge=1, description="context parallel (sequence sharding)")
+    dp_replicate: int = Field(
+        1,
+        ge=1,
+        description='data-parallel replicas: plain DDP when it is the only degree, HSDP\'s replicate dimension beside `dp_shard` (docs/training.md, "Parallel layouts")',
+    )
+    dp_shard: int = Field(
+        -1,
+        ge=-1,
+        description="FSDP2 shards over data-parallel ranks; -1: the world size divided by the other degrees",
+    )
+    tp: int = Field(
+        1,
+        ge=1,
+        description="tensor parallel with sequence parallel and a vocab-sharded loss; divides `n_heads`, `n_kv_heads`, `ffn_dim`, `vocab_size` and `data.seq_len`; tied embeddings too (the head reuses the vocabulary-sharded embedding); not yet with MoE",
+    )
+    pp: int = Field(
+        1,
+        ge=1,
+        description="pipeline parallel ranks (`torch.distributed.pipelining`); the step's `train.grad_accum_steps` microbatches (at least `pp`) are the pipeline's; not with tied embeddings or MoE yet",
+    )
+    cp: int = Field(
+        1,
+        ge=1,
+        description="context parallel: each sample's tokens split over `cp` ranks, load-balanced (`2 * cp` divides `data.seq_len`); not with `pp` or `ep` yet",
+    )
     cp_attention: Literal["allgather", "ring"] = Field(
         "allgather",
-        description="context parallel attention: all-gathered keys and values (any device, document "
-        "masks), or PyTorch's ring attention (CUDA, needs data.document_mask=false)",
+        description="`allgather`: keys and values all-gathered over the CP group, document masks kept, any device; `ring`: PyTorch's ring attention, CUDA only, needs `data.document_mask: false`",
     )
     async_tp: bool = Field(
         False,
-        description="tensor parallel: inductor's micro-pipelining overlaps each all-gather and "
-        "reduce-scatter with its matmul (needs CUDA and train.compile=true)",
+        description="tensor parallel: inductor's micro-pipelining overlaps each all-gather and reduce-scatter with its matmul over symmetric memory (torchtitan's async TP). Needs `tp > 1`, `train.compile: true` and CUDA; refused otherwise before launch. Not yet run on a GPU here",
     )
-    ep: int = Field(1, ge=1, description="expert parallel (MoE models)")
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert parallel for MoE models: the experts split over `ep` of the `dp_shard` ranks, tokens exchanged by all-to-all; divides `moe.n_experts` and `dp_shard`",
+    )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = Field(
-        "1f1b", description="pipeline schedule; the interleaved ones and zbv put two stages on each rank"
+        "1f1b",
+        description="`gpipe`, `1f1b`, `interleaved_1f1b`, `interleaved_zb` (interleaved zero bubble) or `zbv` (zero bubble, V-shaped); the last three put two stages on each rank",
     )
     pp_split: list[int] | None = Field(
-        None, description="layer indices where stages 1, 2, ... begin; null: as even as can be"
+        None,
+        description="layer indices where stages 1, 2, ... begin (one fewer than the stages); null: as even as can be",
     )
     reshard_after_forward: bool = Field(
         True,
-        description="FSDP: free the gathered weights after forward (less memory, another all-gather in backward)",
+        description="FSDP: free each block's gathered weights after its forward and gather again in backward (false: keep them, less communication, more memory)",
     )
     cpu_offload: bool = Field(
-        False, description="FSDP: keep sharded weights, gradients and optimizer state on the host"
+        False,
+        description="FSDP: sharded weights, gradients and optimizer state live in host memory (FSDP2's `CPUOffloadPolicy`)",
     )
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="FSDP under bf16-mixed: dtype of the gradient reduce-scatter"
+        "float32",
+        description="FSDP under `bf16-mixed`: dtype of the gradient reduce-scatter (the gathered weights are bf16)",
     )
 
     @field_validator("dp_shard")
@@ -289,13 +362,17 @@ class ActivationCheckpointConfig(Section):
     """Trading recomputation for activation memory (ladle/parallel/ac.py)."""
 
     mode: Literal["none", "full", "selective"] = Field(
-        "none", description="full: recompute every block in backward; selective: see `selective`"
+        "none",
+        description="`full`: every block's forward runs again in backward, only its input kept; `selective`: see below (docs/training.md)",
     )
     selective: Literal["op"] | int = Field(
         "op",
-        description="op: keep matmul and attention outputs, recompute the cheap ops; N: checkpoint every N-th block",
+        description="`op`: keep the outputs of matmuls and attention, recompute the cheap ops (norms, RoPE, SiLU, casts); an integer N: checkpoint every N-th block fully",
     )
-    offload: bool = Field(False, description="keep the saved activations in host memory (accelerators)")
+    offload: bool = Field(
+        False,
+        description="move what is saved for backward to pinned host memory (accelerators; no effect on a CPU)",
+    )
 
     @field_validator("selective")
     @classmethod
@@ -308,10 +385,12 @@ class ActivationCheckpointConfig(Section):
 class SampleConfig(Section):
     """A generated sample printed at the end of a run (the demo's "does it write Python?")."""
 
-    prompt: str = ""
-    max_new_tokens: int = Field(64, ge=0)
-    temperature: float = Field(0.8, ge=0)
-    top_k: int = Field(50, ge=0)
+    prompt: str = Field(
+        "", description="after a completed run, print a continuation of this prompt (empty: none)"
+    )
+    max_new_tokens: int = Field(64, ge=0, description="tokens of the sample's continuation at most")
+    temperature: float = Field(0.8, ge=0, description="0: greedy")
+    top_k: int = Field(50, ge=0, description="0: no top-k filter")
 
 
 class LoRAConfig(Section):
@@ -319,25 +398,21 @@ class LoRAConfig(Section):
     checkpointed and exported (PEFT's format), or merged into the base for export."""
 
     rank: int = Field(8, ge=1, description="the adapters' rank r")
-    alpha: float = Field(16.0, gt=0, description="scaling alpha / r (rsLoRA: alpha / sqrt(r))")
+    alpha: float = Field(16.0, gt=0, description="scaling alpha / r (alpha / sqrt(r) with `rslora`)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
     targets: list[str] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj"],
-        description="linear modules to adapt, by name: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj",
+        description="linear modules to adapt, by name (`q_proj k_proj v_proj o_proj gate_proj up_proj down_proj`); each must exist",
     )
-    rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
-    dora: bool = Field(
-        False, description="DoRA: a learned magnitude per output row on top of the low-rank direction"
-    )
+    rslora: bool = Field(False, description="rank-stabilised scaling")
+    dora: bool = Field(False, description="DoRA: a learned magnitude per output row")
     modules_to_save: list[Literal["embed_tokens", "lm_head"]] = Field(
         [],
-        description="modules trained in full beside the adapters (PEFT's modules_to_save): the input "
-        "embedding and/or the output head, for tokens the base never learned (chat markers, new "
-        "words); with tied embeddings either name trains the one shared matrix",
+        description="`embed_tokens` and/or `lm_head`, trained in full beside the adapters (PEFT's modules_to_save): for tokens the base never learned; with tied embeddings either name trains the one matrix; not also a target",
     )
     quantize_base: Literal["none", "nf4"] = Field(
         "none",
-        description="QLoRA: the frozen base's block linears stored in 4-bit NF4, dequantized per layer",
+        description="`nf4`: QLoRA, the frozen base's block linears in 4-bit NF4, dequantized per layer (one device or DDP)",
     )
 
     @field_validator("targets")
@@ -366,26 +441,22 @@ class DPOConfig(Section):
 
     loss: Literal[DPO_LOSSES] = Field(
         "sigmoid",
-        description="sigmoid (DPO), ipo (on per-token mean log-ratios), hinge (SLiC), robust (rDPO, "
-        "with label_smoothing), simpo (length-normalised, no reference)",
+        description="`sigmoid` (DPO), `ipo`, `hinge`, `robust`, `simpo` (docs/alignment.md); another name is refused with the list",
     )
     beta: float = Field(0.1, gt=0, description="the KL strength beta (IPO's tau)")
     label_smoothing: float = Field(
         0.0,
         ge=0,
         lt=0.5,
-        description="the share of flipped labels assumed: conservative DPO (cDPO) "
-        "for sigmoid, robust DPO for robust; 0: off",
+        description="in [0, 0.5): cDPO for `sigmoid`, rDPO for `robust`, also SimPO's",
     )
-    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target margin gamma")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target margin")
     rpo_alpha: float = Field(
-        0.0, ge=0, description="weight of an added NLL term on the chosen completions (RPO); 0: off"
+        0.0, ge=0, description="weight of an added NLL term on the chosen completions (RPO)"
     )
     reference: Literal["cached", "online"] = Field(
         "cached",
-        description="cached: the reference log-probs computed once before training and stored in the run "
-        "directory with the data's hash (no reference model in memory); online: a frozen reference model "
-        "beside the policy (with LoRA: the policy with its adapters switched off)",
+        description="`cached`: reference log-probs computed once, stored in `OUTPUT_DIR/reference/` keyed by a hash of data and reference, reused on resume, refused when made from other inputs; `online`: a frozen reference model beside the policy (with LoRA: the adapters switched off); not with `simpo`",
     )
 
     @model_validator(mode="after")
@@ -400,34 +471,37 @@ class DPOConfig(Section):
 class RewardConfig(Section):
     """A reward model's Bradley-Terry loss (`ladle run reward`)."""
 
-    margin: float = Field(0.0, description="required margin m: -log sigmoid(r_chosen - r_rejected - m)")
+    margin: float = Field(0.0, description="Bradley-Terry margin m: -log sigmoid(r_chosen - r_rejected - m)")
     center_coef: float = Field(
-        0.0, ge=0, description="weight of the centring term mean((r_chosen + r_rejected)^2); 0: off"
+        0.0, ge=0, description="weight of mean((r_chosen + r_rejected)^2) (trl's center_rewards_coefficient)"
     )
 
 
 class RolloutConfig(Section):
     """How the RL recipes sample their responses (ladle/train/rollout.py)."""
 
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0: off")
-    max_response_len: int = Field(256, ge=1, description="response tokens at most (the cap)")
+    temperature: float = Field(
+        1.0, gt=0, description="sampling temperature (the log-probs of the loss are of softmax(logits / T))"
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    top_k: int = Field(0, ge=0, description="0: no top-k filter")
+    max_response_len: int = Field(
+        256, ge=1, description="response tokens at most; `data.seq_len` holds prompt + response"
+    )
     stop: list[str] = Field(default_factory=list, description="strings that end a response")
     rollout_batch: int = Field(64, ge=1, description="rows per generation batch")
     balance: bool = Field(
         True,
-        description="move whole groups between data-parallel ranks after generation to even their training tokens",
+        description="with several data-parallel ranks: after generation, whole groups move between ranks so each trains on about as many tokens (logged: `train_imbalance`)",
     )
     micro_tokens: int = Field(
         0,
         ge=0,
-        description="training microbatches of at most this many padded tokens, rows of like length "
-        "together (whole groups); 0: one per prompt microbatch",
+        description="training microbatches of at most this many padded tokens (rows x the longest), whole groups, shortest first so rows of like length pad together (verl's dynamic batch size); every rank runs as many; 0: one pass per prompt microbatch",
     )
     offload_idle: bool = Field(
         True,
-        description="on an accelerator, models a phase does not use wait in host memory (shared placement)",
+        description="shared placement: on an accelerator, the models a phase does not use wait in host memory (the reference and reward model while generating and training, the critic and its optimizer state while generating); every model stays on every rank",
     )
 
 
@@ -435,29 +509,57 @@ class GRPOConfig(RolloutConfig):
     """Group relative policy optimisation on the policy's own rollouts (`ladle run grpo`,
     ladle/train/grpo.py, docs/rl.md)."""
 
-    num_samples: int = Field(8, ge=1, description="responses sampled per prompt (the group)")
+    num_samples: int = Field(
+        8,
+        ge=1,
+        description="responses sampled per prompt (the group); 1 only with `scale: batch` or `none` and `advantage: grpo`",
+    )
     advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field(
-        "grpo", description="grpo: r - group mean; rloo: leave-one-out; reinforce_pp: whitened over the batch"
+        "grpo",
+        description="`grpo` (r - group mean), `rloo` (leave-one-out), `reinforce_pp` (whitened over the batch); docs/rl.md",
     )
     scale: Literal["group", "batch", "none"] = Field(
-        "group", description="divide advantages by the group's or the batch's std (none: Dr. GRPO)"
+        "group", description="divide advantages by the group's or the `batch`'s std; `none`: Dr. GRPO"
     )
-    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference; 0: no reference model")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_coef: float = Field(
+        0.0, ge=0, description="weight of the KL to the reference; 0 keeps no reference model"
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="`k1`, `k2`, `k3` (Schulman's estimators)"
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean",
+        description="`token-mean` (DAPO), `seq-mean-token-mean` (GRPO), `seq-mean-token-sum-norm` (Dr. GRPO)",
+    )
     clip_low: float = Field(0.2, ge=0, lt=1, description="ratios below 1 - clip_low are clipped")
-    clip_high: float = Field(0.2, ge=0, description="ratios above 1 + clip_high are clipped (DAPO: 0.28)")
-    importance: Literal["token", "sequence"] = Field("token", description="sequence: GSPO")
+    clip_high: float = Field(
+        0.2, ge=0, description="ratios above 1 + clip_high are clipped (DAPO's clip-higher: 0.28)"
+    )
+    importance: Literal["token", "sequence"] = Field(
+        "token", description="`token`, or `sequence` (GSPO: one weight per response)"
+    )
     num_iterations: int = Field(
-        1, ge=1, description="optimizer steps per rollout batch, on its old log-probs"
+        1,
+        ge=1,
+        description="optimizer steps per rollout batch, on its old log-probs; `checkpoint.every` must be a multiple",
     )
-    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0: logged only")
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the entropy bonus (the loss minus coef x the mean entropy of the response tokens); `entropy` is logged either way",
+    )
     dynamic_sampling: bool = Field(
-        False, description="DAPO: drop groups whose rewards are all equal, sample more prompts to refill"
+        False,
+        description="DAPO's dynamic sampling: groups whose rewards are all equal are dropped and the step refills from the next prompts (docs/rl.md)",
     )
-    max_sampling_rounds: int = Field(3, ge=1, description="rounds of sampling a step may take to refill")
+    max_sampling_rounds: int = Field(
+        3,
+        ge=1,
+        description="rounds of sampling a step may take to refill; then it trains on the groups it found",
+    )
     mask_truncated: bool = Field(
-        False, description="DAPO's overlong filtering: responses cut by the cap stay out of the loss"
+        False,
+        description="DAPO's overlong filtering: responses cut by `max_response_len` stay out of the loss",
     )
 
     @model_validator(mode="after")
@@ -482,32 +584,48 @@ class PPOConfig(RolloutConfig):
 
     num_samples: int = Field(1, ge=1, description="responses sampled per prompt")
     kl_coef: float = Field(
-        0.05, ge=0, description="weight of the per-token KL to the reference in the reward; 0: no reference"
+        0.05,
+        ge=0,
+        description="weight of the per-token KL to the reference in the reward (-kl_coef KL on every token); 0 keeps no reference model",
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    gamma: float = Field(1.0, ge=0, le=1, description="discount of GAE")
-    lam: float = Field(0.95, ge=0, le=1, description="lambda of GAE")
-    whiten_advantages: bool = Field(True, description="advantages whitened over the rollout batch")
-    clip_low: float = Field(0.2, ge=0, lt=1)
-    clip_high: float = Field(0.2, ge=0)
-    dual_clip: float = Field(0.0, ge=0, description="> 1: cap a negative advantage's loss at -c A; 0: off")
-    value_clip: float = Field(0.2, ge=0, description="values move at most this far from the old ones; 0: off")
-    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0: logged only")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="`k1`, `k2`, `k3` for that KL")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda")
+    whiten_advantages: bool = Field(
+        True,
+        description="advantages whitened over every response token of the rollout batch, all ranks together",
+    )
+    clip_low: float = Field(0.2, ge=0, lt=1, description="ratios below 1 - clip_low are clipped")
+    clip_high: float = Field(0.2, ge=0, description="ratios above 1 + clip_high are clipped")
+    dual_clip: float = Field(
+        0.0, ge=0, description="c > 1: a negative advantage's loss is capped at -c A (dual-clip PPO); 0: off"
+    )
+    value_clip: float = Field(
+        0.2,
+        ge=0,
+        description="the critic's values move at most this far from the rollout's in its loss; 0: unclipped",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="weight of the entropy bonus; `entropy` is logged either way"
+    )
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     minibatches: int = Field(
-        1, ge=1, description="optimizer steps per pass: train.grad_accum_steps must be a multiple"
+        1,
+        ge=1,
+        description="optimizer steps per pass (each on a share of the step's microbatches); must divide `train.grad_accum_steps`; `checkpoint.every` must be a multiple of `ppo_epochs x minibatches`",
     )
     critic_init: str | None = Field(
         None,
-        description="the value model's start: a reward model (run dir, checkpoint or HF folder); "
-        "null: rewards.model if set, else the policy's model.init_from with a new value head",
+        description="the critic's start: a reward model (run dir, checkpoint, HF folder) or any decoder of the policy's vocabulary (a new value head then); null: `rewards.model` if set, else the policy's `model.init_from`",
     )
-    critic_lr: float | None = Field(None, gt=0, description="the value model's learning rate; null: optim.lr")
+    critic_lr: float | None = Field(
+        None,
+        gt=0,
+        description="the critic's learning rate (its optimizer, schedule and clipping are otherwise the run's); null: `optim.lr`",
+    )
     placement: Literal["shared", "separated"] = Field(
         "shared",
-        description="shared: every model on every rank (idle ones parked: offload_idle); separated: the "
-        "actor and reference on half the ranks, the critic and reward model on the other half, each "
-        "half laid out by parallel.*",
+        description="`shared`: every model on every rank (idle ones in host memory: `offload_idle`); `separated`: the actor and reference on half the ranks, the critic and reward model on the other half, each half laid out by `parallel.*` (so twice its ranks are needed; docs/rl.md)",
     )
 
     @model_validator(mode="after")
@@ -522,14 +640,14 @@ class RewardsConfig(Section):
 
     terms: list[dict] = Field(
         default_factory=lambda: [{"name": "exact"}],
-        description="[{name, weight, key, options...}]: registered rewards (exact, regex, math, format, "
-        "length) or functions of `file`",
+        description="the RL rewards, summed with their `weight`, each logged as `reward_<key>_mean`: `exact`, `regex`, `math`, `format`, `length` or a function of `rewards.file`, with their options (docs/rl.md)",
     )
-    file: str | None = Field(None, description="a Python file of your own reward functions")
+    file: str | None = Field(
+        None, description="a Python file of your own reward functions, imported because you name it"
+    )
     model: str | None = Field(
         None,
-        description="a reward model (`ladle run reward` run dir, checkpoint or HF folder): its score "
-        "of the whole response is a term, logged as reward_model",
+        description="a reward model (`ladle run reward` run dir, checkpoint, or HF `...ForSequenceClassification` folder) of the policy's vocabulary: its score of each whole response (at its last token) joins the sum, logged as `reward_model_mean`; with it `rewards.terms` may be `[]`",
     )
     model_weight: float = Field(1.0, description="the reward model's weight in the sum")
 
@@ -542,26 +660,36 @@ class GuardConfig(Section):
     z_threshold: float = Field(
         6.0,
         ge=0,
-        description="a loss or gradient norm this many standard deviations above its mean over the "
-        "window is a spike; 0: no spike detection",
+        description="a loss or gradient norm this many standard deviations above its mean over the window is a **spike** (an event naming the batch's samples); 0: no spike detection",
     )
-    window: int = Field(100, ge=2, description="the accepted steps the mean and deviation are taken over")
+    window: int = Field(
+        100,
+        ge=2,
+        description="the accepted steps the mean and deviation are over; no spike is called before the window holds `min_history`",
+    )
     min_history: int = Field(
-        20, ge=2, description="no spike is called before the window holds this many steps"
+        20,
+        ge=2,
+        description="the accepted steps the mean and deviation are over; no spike is called before the window holds `min_history`",
     )
-    skip_spikes: bool = Field(False, description="skip a spike's update (else it is logged and applied)")
+    skip_spikes: bool = Field(
+        False,
+        description="skip a spike's update (a non-finite step's is always skipped); else it is logged and applied",
+    )
     max_skips: int = Field(
         3,
         ge=1,
-        description="skipped steps in a row (non-finite, or spikes with skip_spikes) before on_max_skips",
+        description="skipped steps in a row before `on_max_skips` (was `train.max_bad_steps`)",
     )
     on_max_skips: Literal["rollback", "stop"] = Field(
         "rollback",
-        description="rollback: reload the last checkpoint and go on past the data read since (stop when "
-        "there is none, or after max_rollbacks); stop: stop naming the cause and the last checkpoint",
+        description="`rollback`: reload the last checkpoint (weights, optimizer, schedule) and go on past the data read since; the run stops instead when there is none or after `max_rollbacks`. `stop`: stop with the report",
     )
     rollback_lr_factor: float = Field(
-        1.0, gt=0, le=1, description="the learning rate is multiplied by this at each rollback (e.g. 0.5)"
+        1.0,
+        gt=0,
+        le=1,
+        description="the learning rate is multiplied by this at each rollback (e.g. 0.5), and stays so in later checkpoints",
     )
     max_rollbacks: int = Field(3, ge=0, description="rollbacks in one run before it stops instead")
 
@@ -577,9 +705,7 @@ class DeviceConfig(Section):
 
     alloc_conf: str = Field(
         "",
-        description="the caching allocator's settings, e.g. expandable_segments:True (less "
-        "fragmentation), set as PYTORCH_CUDA_ALLOC_CONF on CUDA or PYTORCH_NPU_ALLOC_CONF on NPU; "
-        "'': as the environment says",
+        description="the caching allocator's settings, e.g. `expandable_segments:True` (less fragmentation), applied as `PYTORCH_CUDA_ALLOC_CONF` on CUDA or `PYTORCH_NPU_ALLOC_CONF` on an NPU before the first allocation; empty: as the environment says",
     )
 
 
@@ -589,7 +715,7 @@ class DistConfig(Section):
     timeout_s: float = Field(
         600.0,
         gt=0,
-        description="a collective that waits longer fails (every rank's error names it) instead of hanging",
+        description="a collective that waits longer fails on every rank (the error names it) instead of hanging",
     )
 
 
@@ -600,9 +726,7 @@ class WatchdogConfig(Section):
     timeout_s: float = Field(
         300.0,
         ge=0,
-        description="a rank whose phase (data, forward, backward, optimizer, a collective, checkpoint, "
-        "generation) has not changed for this long is hung; below dist.timeout_s, which applies "
-        "until the first step is done; 0: off",
+        description="a rank whose phase (data, forward, backward, optimizer, a named collective, checkpoint, validation, generation) has not changed for this long is hung: the report names every rank's phase and the suspect, every rank dumps its Python stacks to `OUTPUT_DIR/hang/`, and the job exits with status 3 for the launcher to restart; must be below `dist.timeout_s`, which applies until the first step is done; 0: off",
     )
 
 
@@ -611,19 +735,48 @@ class FaultsConfig(Section):
     each switch is refused unless `enabled`. Steps count from 1; 0 is off. A job's restarted
     attempt is not hit (torchrun's TORCHELASTIC_RESTART_COUNT > 0), so it trains past the step."""
 
-    enabled: bool = Field(False, description="allow the switches below (tests and rehearsals only)")
+    enabled: bool = Field(
+        False,
+        description="allow the fault switches below: faults injected on purpose, for tests and rehearsals of recovery (docs/reliability.md); each switch is refused without it",
+    )
     rank: int | None = Field(
         None, ge=0, description="the global rank nan, spike and kill hit; null: every rank"
     )
-    nan_at_step: int = Field(0, ge=0, description="that step's loss (and so its gradients) becomes NaN")
-    spike_at_step: int = Field(0, ge=0, description="that step's loss (and gradients) times spike_factor")
-    spike_factor: float = Field(100.0, gt=0)
-    sleep_at_step: int = Field(
-        0, ge=0, description="sleep_rank stops for sleep_s before the step's first collective"
+    nan_at_step: int = Field(
+        0,
+        ge=0,
+        description="that step's loss (and gradients) becomes NaN, or is multiplied by the factor, on `faults.rank` (null: every rank); not under PP",
     )
-    sleep_rank: int = Field(0, ge=0)
-    sleep_s: float = Field(0.0, ge=0)
-    kill_at_step: int = Field(0, ge=0, description="the rank exits with SIGKILL once that step is done")
+    spike_at_step: int = Field(
+        0,
+        ge=0,
+        description="that step's loss (and gradients) becomes NaN, or is multiplied by the factor, on `faults.rank` (null: every rank); not under PP",
+    )
+    spike_factor: float = Field(
+        100.0,
+        gt=0,
+        description="that step's loss (and gradients) becomes NaN, or is multiplied by the factor, on `faults.rank` (null: every rank); not under PP",
+    )
+    sleep_at_step: int = Field(
+        0,
+        ge=0,
+        description="that rank stops for `sleep_s` before the step's first collective (the others wait in it)",
+    )
+    sleep_rank: int = Field(
+        0,
+        ge=0,
+        description="that rank stops for `sleep_s` before the step's first collective (the others wait in it)",
+    )
+    sleep_s: float = Field(
+        0.0,
+        ge=0,
+        description="that rank stops for `sleep_s` before the step's first collective (the others wait in it)",
+    )
+    kill_at_step: int = Field(
+        0,
+        ge=0,
+        description="`faults.rank` (or every rank) exits with SIGKILL once that step is done; only a job's first attempt (a torchrun restart trains past it)",
+    )
 
     @model_validator(mode="after")
     def _guarded(self):
@@ -640,8 +793,11 @@ class FaultsConfig(Section):
 
 
 class LadleConfig(Section):
-    output_dir: str = "runs/default"
-    seed: int = 0
+    output_dir: str = Field(
+        "runs/default",
+        description="the run directory (config.yaml, run_card.json, metrics.jsonl, events.log, checkpoints/)",
+    )
+    seed: int = Field(0, description="initial weights and the data order are functions of it alone")
     model: ModelConfig = ModelConfig()
     tokenizer: TokenizerConfig
     data: DataConfig
