@@ -74,17 +74,16 @@ def versions() -> dict:
     return out
 
 
-def _ascend_home() -> Path:
-    return Path(os.environ.get("ASCEND_HOME_PATH", "/usr/local/Ascend")).resolve()
-
-
 def cann_version(root: Path | None = None) -> str | None:
-    """CANN's version from the toolkit's install info (`version=8.0.RC2`), when installed."""
-    root = root or Path(os.environ.get("ASCEND_TOOLKIT_HOME", "/usr/local/Ascend")).parent
-    for rel in CANN_INFO:
-        f = root / rel.format(arch=platform.machine())
+    """CANN's version from the toolkit's install info (`version=8.0.RC2`), when installed: under
+    $ASCEND_TOOLKIT_HOME, or `root` (/usr/local/Ascend)/ascend-toolkit/latest."""
+    arch = f"{platform.machine()}-linux/ascend_toolkit_install.info"
+    places = [Path(root or "/usr/local/Ascend") / "ascend-toolkit" / "latest" / arch]
+    if root is None and os.environ.get("ASCEND_TOOLKIT_HOME"):
+        places.insert(0, Path(os.environ["ASCEND_TOOLKIT_HOME"]) / arch)
+    for f in places:
         if f.is_file():
-            if m := re.search(r"^\s*(?:version|Version)\s*=\s*(\S+)", f.read_text(errors="replace"), re.M):
+            if m := re.search(r"^\s*version\s*=\s*(\S+)", f.read_text(errors="replace"), re.M | re.I):
                 return m.group(1)
     return None
 
@@ -341,8 +340,6 @@ def check_disk(folder: str | os.PathLike, probe_mb: int = 64) -> list[Check]:
 
 
 def check_gemm() -> list[Check]:
-    import torch
-
     from ladle import device as dev
 
     device = dev.pick_device("auto")
@@ -361,7 +358,6 @@ def check_gemm() -> list[Check]:
             Check("gemm", PASS, f"{measured:.1f} TFLOP/s {dtype} measured ({name} has no datasheet entry)")
         ]
     share = measured / sheet
-    del torch
     return [
         Check(
             "gemm",
