@@ -176,6 +176,10 @@ class Watchdog:
         return describe_hang(self.rank, limit, self.beats(), time.time(), self.timeout_s, self.folder)
 
     def _dump_and_exit(self, report: str | None) -> None:
+        """This rank's stacks, then (the reporter) the report, then exit. No rank exits before
+        the report is written, nor the reporter before the others' stacks (or a few intervals):
+        a peer's exit breaks the collective a main thread waits in, which ends that process
+        before its watchdog has written what it must."""
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / f"stacks_rank{self.rank}.txt", "w") as f:
             f.write(f"rank {self.rank}, phase {_beat.phase!r}, step {_beat.step}\n")
@@ -183,13 +187,20 @@ class Watchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         _dump_nccl_trace(self.folder, self.rank)
         if report is not None:
-            deadline = time.monotonic() + 3 * self.interval + 2  # the others' stacks, when they can
+            (self.folder / "report.txt").write_text(report + "\n")
+            self.log(report)
+            if self.store is not None:
+                self.store.set(f"{_KEY}/reported", "1")
+            # and the others' stacks, when they can (a rank notices within an interval)
+            deadline = time.monotonic() + 3 * self.interval + 2
             while (
                 time.monotonic() < deadline and len(list(self.folder.glob("stacks_rank*.txt"))) < self.world
             ):
                 time.sleep(0.1)
-            (self.folder / "report.txt").write_text(report + "\n")
-            self.log(report)
+        elif self.store is not None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not self.store.check([f"{_KEY}/reported"]):
+                time.sleep(0.05)
         os._exit(EXIT_HANG)
 
 
