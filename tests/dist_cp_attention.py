@@ -54,3 +54,7 @@ for n, p in model.named_parameters():  # each rank has the gradient of its token
 print(f"rank {dist.get_rank()}: context-parallel {attention} attention matches", flush=True)
 dist.barrier()  # gloo aborts a rank that tears down while its peer still talks to it
 dist.destroy_process_group()
+# Skip the interpreter's teardown: gloo's threads can abort it ("terminate called without an
+# active exception", about one run in three on this machine) after everything above succeeded.
+sys.stdout.flush()
+os._exit(0)
