@@ -665,12 +665,12 @@ class GuardConfig(Section):
     window: int = Field(
         100,
         ge=2,
-        description="the accepted steps the mean and deviation are over; no spike is called before the window holds `min_history`",
+        description="the accepted steps (finite, not skipped) the mean and deviation of the loss and gradient norm are taken over",
     )
     min_history: int = Field(
         20,
         ge=2,
-        description="the accepted steps the mean and deviation are over; no spike is called before the window holds `min_history`",
+        description="no spike is called before the window holds this many steps",
     )
     skip_spikes: bool = Field(
         False,
@@ -745,32 +745,32 @@ class FaultsConfig(Section):
     nan_at_step: int = Field(
         0,
         ge=0,
-        description="that step's loss (and gradients) becomes NaN, or is multiplied by the factor, on `faults.rank` (null: every rank); not under PP",
+        description="that step's loss (and so its gradients) becomes NaN on `faults.rank` (null: every rank); not under PP",
     )
     spike_at_step: int = Field(
         0,
         ge=0,
-        description="that step's loss (and gradients) becomes NaN, or is multiplied by the factor, on `faults.rank` (null: every rank); not under PP",
+        description="that step's loss (and so its gradients) is multiplied by `faults.spike_factor` on `faults.rank` (null: every rank); not under PP",
     )
     spike_factor: float = Field(
         100.0,
         gt=0,
-        description="that step's loss (and gradients) becomes NaN, or is multiplied by the factor, on `faults.rank` (null: every rank); not under PP",
+        description="the factor of `faults.spike_at_step`",
     )
     sleep_at_step: int = Field(
         0,
         ge=0,
-        description="that rank stops for `sleep_s` before the step's first collective (the others wait in it)",
+        description="`faults.sleep_rank` stops for `faults.sleep_s` before that step's first collective (the others wait in it)",
     )
     sleep_rank: int = Field(
         0,
         ge=0,
-        description="that rank stops for `sleep_s` before the step's first collective (the others wait in it)",
+        description="the global rank `faults.sleep_at_step` stops",
     )
     sleep_s: float = Field(
         0.0,
         ge=0,
-        description="that rank stops for `sleep_s` before the step's first collective (the others wait in it)",
+        description="how long `faults.sleep_at_step` stops the rank, in seconds",
     )
     kill_at_step: int = Field(
         0,
