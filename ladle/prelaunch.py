@@ -320,13 +320,15 @@ def resolve_resume(cfg: LadleConfig, restart: str | None = None, check=verify) -
     return Resume(path, restart, found, tuple(changed))
 
 
-def data_identity(cfg: LadleConfig) -> dict:
+def data_identity(cfg: LadleConfig, tokenizer=None) -> dict:
     """What a run trains on, kept in each checkpoint: the tokenizer's sha256 and the data
-    folder's fingerprint (its files' sizes and checksums, as meta.json records them)."""
+    folder's fingerprint (its files' sizes and checksums, as meta.json records them).
+    `tokenizer`: the one `check` loaded (else it is loaded here)."""
     from ladle.data.folder import fingerprint
     from ladle.tokenizer import load_tokenizer
 
-    return {"tokenizer": load_tokenizer(cfg.tokenizer.path).hash, "data": fingerprint(cfg.data.path)}
+    tok = tokenizer or load_tokenizer(cfg.tokenizer.path)
+    return {"tokenizer": tok.hash, "data": fingerprint(cfg.data.path)}
 
 
 def data_changes(cfg: LadleConfig, theirs: dict | None) -> list[str]:

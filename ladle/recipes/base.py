@@ -27,7 +27,7 @@ from ladle.models.lora import apply_lora
 from ladle.parallel.compile import eager
 from ladle.parallel.mesh import Layout, Parallel
 from ladle.parallel.parallelize import gather_model
-from ladle.prelaunch import Checked, Resume, check, worker_resume
+from ladle.prelaunch import Checked, Resume, check, data_identity, worker_resume
 from ladle.train.builder import build_model
 from ladle.train.loop import Trainer
 from ladle.train.loss import CausalLMLoss, Loss
@@ -98,7 +98,14 @@ def build_trainer(
         loader, evaluate = plan.wrap(loader, evaluate)
     loss = plan.loss or CausalLMLoss(cfg.model.moe)
     trainer = (plan.trainer or Trainer)(
-        cfg, run, unit, loader, loss, flops_per_token=fpt, eval_batches=evaluate
+        cfg,
+        run,
+        unit,
+        loader,
+        loss,
+        flops_per_token=fpt,
+        eval_batches=evaluate,
+        identity=data_identity(cfg, found["tokenizer"]),  # the tokenizer check loaded, not again
     )
     run.events(
         f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"

@@ -52,13 +52,12 @@ class Guard:
         seen = {"loss": loss, "grad_norm": grad_norm}
         found = []
         for k in WATCHED:
-            z = self.zscore(k, seen[k]) if math.isfinite(seen[k]) else None
-            if z is not None and z > self.cfg.z_threshold > 0:
-                h = self.history[k]
-                mean, std = _moments(h)
+            got = self.zscore(k, seen[k]) if math.isfinite(seen[k]) else None
+            if got is not None and got[0] > self.cfg.z_threshold > 0:
+                z, mean, dev = got
                 found.append(
                     f"{k} {seen[k]:.4g} is {z:.1f} standard deviations above its mean {mean:.4g} "
-                    f"(std {std:.3g}) over the last {len(h)} steps"
+                    f"(std {dev:.3g}) over the last {len(self.history[k])} steps"
                 )
         verdict = Verdict()
         if found:
@@ -69,13 +68,15 @@ class Guard:
                     self.history[k].append(seen[k])
         return verdict
 
-    def zscore(self, key: str, x: float) -> float | None:
+    def zscore(self, key: str, x: float) -> tuple[float, float, float] | None:
+        """(z, mean, deviation) of `x` against the window; None before min_history steps."""
         h = self.history[key]
         if len(h) < self.cfg.min_history:
             return None
         mean, std = _moments(h)
         # a floor on the deviation: a flat window (a constant loss) would make any wobble a spike
-        return (x - mean) / max(std, 1e-3 * abs(mean), 1e-12)
+        dev = max(std, 1e-3 * abs(mean), 1e-12)
+        return (x - mean) / dev, mean, dev
 
     def state_dict(self) -> dict:
         return {"history": {k: list(v) for k, v in self.history.items()}, "rollbacks": self.rollbacks}

@@ -96,6 +96,7 @@ class Trainer:
         eval_batches: Callable[[], Iterable[dict]] | None = None,
         parts: dict | None = None,  # other stateful parts to checkpoint, by name (a value model)
         name: str = POLICY,  # the unit's part in checkpoints (a group of a separated placement: "critic")
+        identity: dict | None = None,  # prelaunch.data_identity, when the caller has it
     ):
         self.cfg, self.run, self.unit, self.loader, self.loss = cfg, run, unit, loader, loss
         self.parallel = unit.parallel
@@ -106,7 +107,7 @@ class Trainer:
         self.checkpointer = Checkpointer(run.dir, cfg.checkpoint, self.device, log=run.events)
         self.drill = faults.Drill(cfg.faults, dist.rank())  # faults.* switches: off unless enabled
         self.name = name
-        self.identity = data_identity(cfg)  # the tokenizer and data, which a resume compares
+        self.identity = identity or data_identity(cfg)  # the tokenizer and data, which a resume compares
         self.guard = Guard(cfg.guard)  # judges the policy's steps (a critic's only skips non-finite ones)
         self.step = 0
         self.tokens_seen = 0

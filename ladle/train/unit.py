@@ -103,9 +103,8 @@ class TrainUnit:
                 out.sum = out.sum.detach()  # the graph is spent: keep the value only
                 outs.append(out)
         with watchdog.within("collective: all_reduce (loss and metrics)"):
-            loss_sum, totals = self._reduce(outs)
+            loss_sum, totals, mine = self._reduce(outs)
         dev.synchronize(self.device)
-        mine = sum(float(o.sum) for o in outs) if outs else None  # for the guard's report of a bad step
         return Result(
             loss=loss_sum / max(total, 1),
             count=total,
@@ -186,15 +185,16 @@ class TrainUnit:
             count += loss.count(b)
             n += 1
         total = int(self.parallel.all_reduce_loss(torch.tensor([count], device=self.device)).item())
-        loss_sum, totals = self._reduce(outs)
+        loss_sum, totals, _ = self._reduce(outs)
         if total == 0:
             return None
         return loss_sum / total, total, loss.summarize(totals, total, n * self.parallel.loss_size)
 
-    def _reduce(self, outs: list[LossOut]) -> tuple[float, dict]:
+    def _reduce(self, outs: list[LossOut]) -> tuple[float, dict, float | None]:
         """The loss sum and metric sums of the microbatches, summed over the ranks of the batch
         (and the pipeline stages: only the last has them), in one all-reduce; a metric named
-        `*_max` (non-negative) is a maximum instead, in a second all-reduce."""
+        `*_max` (non-negative) is a maximum instead, in a second all-reduce. Also this rank's own
+        loss sum (None without outputs), for the report of a bad step."""
         shapes = {k: v.shape for k, v in outs[0].metrics.items()} if outs else {}
         if self.pipeline is not None:
             shapes = self._pipeline_shapes(shapes)
@@ -215,7 +215,7 @@ class TrainUnit:
         if maxes:
             flat = torch.cat([mine(k, lambda x: x.amax(0)) for k in maxes])
             totals.update(_unpack(self._all_reduce(flat, torch.distributed.ReduceOp.MAX), maxes))
-        return float(packed[0]), totals
+        return float(packed[0]), totals, float(loss) if outs else None  # the last: this rank's own sum
 
     def _all_reduce(self, packed: torch.Tensor, op=None) -> torch.Tensor:
         self.parallel.all_reduce_pp(packed, op)
