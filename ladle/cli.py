@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ladle.errors import LadleError
+from ladle.errors import ConfigError, LadleError
 
 
 # -- config commands ---------------------------------------------------------------------------
@@ -63,6 +63,8 @@ def cmd_run(args) -> int:
     from ladle.recipes import load
 
     recipe = load(args.recipe)
+    if args.no_memory_check:  # an override, so that torchrun's processes get it too
+        args.overrides = [*args.overrides, "device.memory_check=false"]
     cfg = load_config(args.config, args.overrides)
     if args.rdzv_id:  # the job's id in every attempt: a restarted one resumes by itself
         os.environ["LADLE_JOB_ID"] = args.rdzv_id
@@ -102,6 +104,44 @@ def _torchrun(args) -> int:
     # made a restarted attempt connect to dead ranks (connectFullMesh: connection refused).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return subprocess.call(cmd, env=env)
+
+
+def cmd_plan(args) -> int:
+    from ladle.config.load import load_config
+    from ladle.plan import Target, parse_size, plan
+    from ladle.prelaunch import resolve_config
+    from ladle.recipes import RECIPES
+
+    cfg = load_config(args.config, args.overrides)
+    init = cfg.model.init_from
+    if init and not Path(init).exists() and cfg.model.preset:  # planning before the download
+        print(
+            f"# model.init_from {init} is not here: planned with model.preset {cfg.model.preset}",
+            file=sys.stderr,
+        )
+    elif init:
+        cfg = resolve_config(cfg)
+    recipe = args.recipe or next((r for r in RECIPES if r in Path(args.config).stem.split("-")), "pretrain")
+    if args.devices < 1:
+        raise ConfigError(f"--devices {args.devices}: at least 1")
+    per_node = args.devices_per_node or min(args.devices, 8)
+    target = Target(
+        devices=args.devices,
+        memory=parse_size(args.device_memory, "--device-memory"),
+        per_node=per_node,
+        intra_bw=args.intra_bw,
+        inter_bw=args.inter_bw,
+        peak_tflops=args.peak_tflops,
+        mfu=args.mfu,
+        margin=args.margin,
+        cpu=args.cpu,
+    )
+    report = plan(cfg, recipe, target)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print(report.text(limit=args.limit))
+    return 0
 
 
 def cmd_launch_slurm(args) -> int:
@@ -479,6 +519,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_validate)
 
+    s = sub.add_parser("plan", help="memory per device and the layouts that fit, before launching")
+    s.add_argument("--config", required=True)
+    s.add_argument("--devices", type=int, required=True, help="devices in all")
+    s.add_argument("--device-memory", required=True, help="memory of one device: 64GB, 64GiB, 80g")
+    s.add_argument("--devices-per-node", type=int, default=0, help="default: 8 (or --devices if fewer)")
+    s.add_argument(
+        "--recipe", choices=RECIPES, help="default: named in the config's file name, else pretrain"
+    )
+    s.add_argument("--intra-bw", type=float, default=150.0, help="GB/s a rank sustains within a node")
+    s.add_argument("--inter-bw", type=float, default=25.0, help="GB/s a rank sustains across nodes")
+    s.add_argument("--peak-tflops", type=float, default=312.0, help="dense bf16 peak of one device")
+    s.add_argument("--mfu", type=float, default=0.4, help="the MFU step times are estimated at")
+    s.add_argument("--margin", type=float, default=0.10, help="allocator fragmentation margin (a fraction)")
+    s.add_argument("--cpu", action="store_true", help="plan for CPU processes (the CPU's kernels)")
+    s.add_argument("--limit", type=int, default=8, help="layouts listed per kind")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("overrides", nargs="*", metavar="key.path=value")
+    s.set_defaults(fn=cmd_plan)
+
     s = sub.add_parser("run", help="run a recipe")
     s.add_argument("recipe", help=", ".join(RECIPES))
     s.add_argument("--config", required=True)
@@ -494,6 +553,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-restarts", type=int, default=0, help="torchrun restarts a failed job this often; each resumes"
+    )
+    s.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="start even when the planner says the layout will not fit the device (device.memory_check=false)",
     )
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_run)
@@ -756,9 +820,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        from ladle.train.loop import TrainingDiverged
+        from ladle.train.loop import OutOfMemory, TrainingDiverged
 
-        if isinstance(e, TrainingDiverged):
+        if isinstance(e, (TrainingDiverged, OutOfMemory)):
             print(f"error: {e}", file=sys.stderr)
             return 1
         raise

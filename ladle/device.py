@@ -124,6 +124,27 @@ def peak_reserved_bytes(device: torch.device) -> int | None:
     return None
 
 
+def memory_now(device: torch.device) -> tuple[int, int | None]:
+    """(allocated, reserved) bytes now: the caching allocator's on an accelerator; the process's
+    resident set and None on a CPU."""
+    if device.type in ("cuda", "npu"):
+        mod = getattr(torch, device.type)
+        return int(mod.memory_allocated(device)), int(mod.memory_reserved(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), None
+    except (OSError, ValueError):
+        return peak_memory_bytes(device), None
+
+
+def total_memory(device: torch.device) -> int | None:
+    """One accelerator's memory in bytes; None on a CPU (its processes share the host's)."""
+    if device.type in ("cuda", "npu"):
+        mod = getattr(torch, device.type)
+        return int(mod.get_device_properties(device.index or 0).total_memory)
+    return None
+
+
 ALLOC_CONF_VARS = {"cuda": "PYTORCH_CUDA_ALLOC_CONF", "npu": "PYTORCH_NPU_ALLOC_CONF"}
 
 

@@ -77,7 +77,18 @@ def check(cfg: LadleConfig, recipe: str | None = None, world: int = 0, paths: bo
         layout_check = getattr(module, "check_layout", None)
         if layout_check:  # what a recipe cannot run on (the pair recipes: pp, cp)
             layout_check(cfg, found.layout)
+        if cfg.device.memory_check:
+            check_memory(cfg, recipe or "pretrain", found.layout)
     return found
+
+
+def check_memory(cfg: LadleConfig, recipe: str, layout) -> None:
+    """The planner's peak against the device's memory (ladle/plan): refused with the figures and
+    the remedies when it does not fit; nothing to check on a CPU unless device.memory is set."""
+    from ladle.device import pick_device
+    from ladle.plan import check_fits
+
+    check_fits(cfg, recipe, layout, pick_device(cfg.train.device))
 
 
 def data_task(recipe: str) -> str:

@@ -707,6 +707,26 @@ class DeviceConfig(Section):
         "",
         description="the caching allocator's settings, e.g. `expandable_segments:True` (less fragmentation), applied as `PYTORCH_CUDA_ALLOC_CONF` on CUDA or `PYTORCH_NPU_ALLOC_CONF` on an NPU before the first allocation; empty: as the environment says",
     )
+    memory: str | None = Field(
+        None,
+        description="one device's memory (`80GB`, `64GiB`, `80g`) for the check before launch; null: what the accelerator reports (a CPU run is not checked unless this is set)",
+    )
+    memory_check: bool = Field(
+        True,
+        description="refuse a run whose planned memory (`ladle plan`) exceeds the device's before anything starts; `ladle run --no-memory-check` sets it false",
+    )
+
+    @field_validator("memory")
+    @classmethod
+    def _size(cls, v):
+        if v is not None:
+            from ladle.plan import parse_size
+
+            try:
+                parse_size(v, "device.memory")
+            except Exception as e:
+                raise ValueError(str(e)) from None
+        return v
 
 
 class DistConfig(Section):
@@ -777,10 +797,15 @@ class FaultsConfig(Section):
         ge=0,
         description="`faults.rank` (or every rank) exits with SIGKILL once that step is done; only a job's first attempt (a torchrun restart trains past it)",
     )
+    oom_at_step: int = Field(
+        0,
+        ge=0,
+        description="that step's forward raises the device's out-of-memory error on `faults.rank` (null: every rank), to rehearse the report it gets",
+    )
 
     @model_validator(mode="after")
     def _guarded(self):
-        switches = ("nan_at_step", "spike_at_step", "sleep_at_step", "kill_at_step")
+        switches = ("nan_at_step", "spike_at_step", "sleep_at_step", "kill_at_step", "oom_at_step")
         on = [f"faults.{k}={getattr(self, k)}" for k in switches if getattr(self, k)]
         if on and not self.enabled:
             raise ValueError(

@@ -21,6 +21,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ladle import distributed as dist
 from ladle import watchdog
 from ladle.errors import ConfigError
@@ -89,11 +91,14 @@ class Injection:
 
     factor: float = 1.0
     sleep_s: float = 0.0
+    oom: bool = False
 
     def stop(self) -> None:
         if self.sleep_s:
             with watchdog.within(f"faults: sleep {self.sleep_s:g} s"):
                 time.sleep(self.sleep_s)
+        if self.oom:
+            raise torch.OutOfMemoryError("faults.oom_at_step: an out-of-memory error injected on purpose")
 
 
 class Drill:
@@ -118,6 +123,9 @@ class Drill:
             out.factor = f.spike_factor
         if f.sleep_at_step == step and f.sleep_rank == self.rank:
             out.sleep_s = f.sleep_s
+        if self.hit and f.oom_at_step == step:
+            out.oom = True
+            print(f"faults: out of memory at step {step} on rank {self.rank}", flush=True)
         if out == Injection():
             return None
         if out.factor != 1.0:

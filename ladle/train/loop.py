@@ -57,6 +57,10 @@ class TrainingDiverged(RuntimeError):
     weights were never updated with them."""
 
 
+class OutOfMemory(RuntimeError):
+    """The device ran out of memory; the message holds the report (ladle.plan.oom_report)."""
+
+
 class StopSignal:
     """SIGTERM / SIGINT set a flag the loop checks after each step (checkpoint, then a clean
     exit). A second Ctrl-C interrupts at once."""
@@ -304,9 +308,20 @@ class Trainer:
     def fit(self) -> str:
         """Trains to train.max_steps; returns 'completed', 'exit' (train.exit_at_step or the time
         limit) or the name of the signal that stopped it. The hang watchdog watches it all, the
-        last validation and checkpoint too."""
+        last validation and checkpoint too. An out-of-memory error on this rank is reported
+        (memory now, the planner's breakdown, the remedies) in events.log and stops the run
+        (OutOfMemory); the other ranks stop at their next collective, or the watchdog's."""
         with self.hang_watchdog():
-            return self._fit()
+            try:
+                return self._fit()
+            except torch.OutOfMemoryError as e:
+                from ladle.plan import oom_report
+
+                text = oom_report(
+                    self.cfg, self.run.recipe, self.parallel.layout, self.device, dist.rank(), self.step + 1
+                )
+                self.run.events(text, level="error")
+                raise OutOfMemory(text) from e
 
     def _fit(self) -> str:
         cfg, t = self.cfg, self.cfg.train
