@@ -22,6 +22,7 @@ from ladle.config.load import config_hash, format_validation_error
 from ladle.config.schema import LadleConfig, ModelConfig
 from ladle.errors import CheckpointError, ConfigError, DataError
 from ladle.models.hf import is_hf_folder, read_hf_config
+from ladle.train import loggers
 from ladle.train.checkpoint import (
     Found,
     checkpoint_dirs,
@@ -56,6 +57,7 @@ def check(cfg: LadleConfig, recipe: str | None = None, world: int = 0, paths: bo
     from ladle.parallel.mesh import check_layout
 
     found = Checked(cfg)
+    loggers.check(cfg)
     if paths:
         check_output_dir(cfg)
         found.cfg = cfg = resolve_config(cfg)

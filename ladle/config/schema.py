@@ -729,6 +729,22 @@ class DeviceConfig(Section):
         return v
 
 
+class LoggersConfig(Section):
+    """Metric loggers beside metrics.jsonl (ladle/train/loggers.py), each an optional extra."""
+
+    tensorboard: bool = Field(
+        False,
+        description="TensorBoard event files in `OUTPUT_DIR/tensorboard/` (`pip install 'ladle[tensorboard]'`)",
+    )
+    wandb: bool = Field(False, description="a Weights & Biases run (`pip install 'ladle[wandb]'`)")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: files under `OUTPUT_DIR/wandb/`, no network (`wandb sync` uploads them); online: streamed",
+    )
+    wandb_project: str = Field("ladle", description="the W&B project")
+    wandb_name: str | None = Field(None, description="the W&B run's name; null: the output directory's name")
+
+
 class DistConfig(Section):
     """The process group (ladle/distributed.py)."""
 
@@ -842,6 +858,7 @@ class LadleConfig(Section):
     rewards: RewardsConfig = RewardsConfig()
     guard: GuardConfig = GuardConfig()
     device: DeviceConfig = DeviceConfig()
+    loggers: LoggersConfig = LoggersConfig()
     dist: DistConfig = DistConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     faults: FaultsConfig = FaultsConfig()

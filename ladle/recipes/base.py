@@ -257,7 +257,10 @@ def _train(
     run_dir = trainer.run
     if precision_note:
         run_dir.events(precision_note, level="warning" if "emulates" in precision_note else "info")
-    status = trainer.fit()
+    try:
+        status = trainer.fit()
+    finally:  # TensorBoard's and W&B's files whole, also after an error
+        run_dir.metrics.close()
     final = {"status": status, "step": trainer.step, "tokens_seen": trainer.tokens_seen}
     if trainer.last_record:
         final["train_loss"] = trainer.last_record["loss"]

@@ -48,11 +48,13 @@ class EventLog:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to `metrics.jsonl` (rank 0 only)."""
+    """Appends one JSON object per logged step to `metrics.jsonl` and hands it to the enabled
+    loggers (TensorBoard, W&B: ladle/train/loggers.py); rank 0 only."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, loggers=None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = dist.is_main()
+        self.loggers = loggers
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -60,6 +62,12 @@ class MetricsWriter:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
+        if self.loggers is not None:
+            self.loggers.log(record)
+
+    def close(self) -> None:
+        if self.loggers is not None:
+            self.loggers.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -31,6 +31,7 @@ from ladle.config.load import config_hash, to_yaml
 from ladle.train.checkpoint import (
     describe,
 )
+from ladle.train.loggers import Loggers
 from ladle.train.metrics import ConsoleProgress, EventLog, MetricsWriter, make_console
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class RunDir:
             self.trim_metrics(resume.step)
         dist.barrier()
         self.events = EventLog(self.dir, self.console)
-        self.metrics = MetricsWriter(self.dir)
+        self.metrics = MetricsWriter(self.dir, Loggers(cfg, self.dir) if dist.is_main() else None)
         self.started = time.time()
         self.card: dict = {}
         if dist.is_main():
