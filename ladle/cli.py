@@ -144,6 +144,30 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_bench_comm(args) -> int:
+    from ladle import bench
+
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        tail = [
+            f"--min-bytes={args.min_bytes}",
+            f"--max-bytes={args.max_bytes}",
+            f"--factor={args.factor}",
+            f"--iters={args.iters}",
+            f"--warmup={args.warmup}",
+            f"--device={args.device}",
+        ]
+        tail += [f"--ops={o}" for o in args.ops or []] + (["--json"] if args.json else [])
+        tail += [f"--output={args.output}"] if args.output else []
+        return bench.main_comm_launch(args, tail)
+    return bench.run_comm(args)
+
+
+def cmd_bench_data(args) -> int:
+    from ladle import bench
+
+    return bench.run_data(args)
+
+
 def cmd_launch_slurm(args) -> int:
     from ladle.config.load import load_config
     from ladle.launch import write_sbatch
@@ -537,6 +561,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_plan)
+
+    s = sub.add_parser("bench", help="measure the links (comm) or the loader (data)")
+    bsub = s.add_subparsers(dest="what", required=True, metavar="WHAT")
+    b = bsub.add_parser("comm", help="collectives' algorithm and bus bandwidth over the launched ranks")
+    b.add_argument("--nproc", type=int, default=1, help="processes on this machine (starts torchrun)")
+    b.add_argument(
+        "--ops", action="append", help="all_reduce, all_gather, reduce_scatter, all_to_all (default: all)"
+    )
+    b.add_argument("--min-bytes", default="1K")
+    b.add_argument("--max-bytes", default="1G")
+    b.add_argument("--factor", type=int, default=4, help="each size this times the previous")
+    b.add_argument("--iters", type=int, default=20)
+    b.add_argument("--warmup", type=int, default=5)
+    b.add_argument("--device", default="auto")
+    b.add_argument("--output", help="also write the JSON report here (rank 0)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=cmd_bench_comm)
+    b = bsub.add_parser("data", help="the training loader's tokens/s against what a step consumes")
+    b.add_argument("--config", required=True)
+    b.add_argument("--recipe", choices=RECIPES, help="default: pretrain")
+    b.add_argument("--steps", type=int, default=50)
+    b.add_argument("--step-s", type=float, help="a step's time in seconds to compare with")
+    b.add_argument("--run", help="a run directory: its median step time from metrics.jsonl")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("overrides", nargs="*", metavar="key.path=value")
+    b.set_defaults(fn=cmd_bench_data)
 
     s = sub.add_parser("run", help="run a recipe")
     s.add_argument("recipe", help=", ".join(RECIPES))
