@@ -729,6 +729,30 @@ class DeviceConfig(Section):
         return v
 
 
+class ProfilerConfig(Section):
+    """Profiled steps and the loop's performance warnings (ladle/train/profile.py)."""
+
+    enabled: bool = Field(
+        False,
+        description="record steps `start_step` .. `start_step + steps - 1` with torch.profiler (torch_npu's on an NPU): traces in `OUTPUT_DIR/profile/` for Perfetto or TensorBoard, and the step time by category (compute, exposed and overlapped communication, data wait, optimizer, host overhead) in events.log and run_card.json",
+    )
+    start_step: int = Field(5, ge=1, description="the first profiled step (after warm-up and compilation)")
+    steps: int = Field(3, ge=1, description="how many steps are profiled")
+    data_wait_warn: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="warn once in events.log when data wait passes this share of the step time",
+    )
+    mfu_floor: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="on an accelerator, warn once when MFU stays under this for `patience` logged windows; 0: off",
+    )
+    patience: int = Field(3, ge=1, description="logged windows in a row under `mfu_floor` before the warning")
+
+
 class LoggersConfig(Section):
     """Metric loggers beside metrics.jsonl (ladle/train/loggers.py), each an optional extra."""
 
@@ -859,6 +883,7 @@ class LadleConfig(Section):
     guard: GuardConfig = GuardConfig()
     device: DeviceConfig = DeviceConfig()
     loggers: LoggersConfig = LoggersConfig()
+    profiler: ProfilerConfig = ProfilerConfig()
     dist: DistConfig = DistConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     faults: FaultsConfig = FaultsConfig()

@@ -32,6 +32,7 @@ from ladle.train.checkpoint import POLICY, Checkpointer, latest_checkpoint, read
 from ladle.train.guard import NONFINITE, OK, Guard, Verdict
 from ladle.train.loss import Loss
 from ladle.train.metrics import format_line
+from ladle.train.profile import Profiler, Warnings, table
 from ladle.train.unit import TrainUnit
 
 
@@ -110,6 +111,8 @@ class Trainer:
         self.parts = {name: unit, **(parts or {})}
         self.checkpointer = Checkpointer(run.dir, cfg.checkpoint, self.device, log=run.events)
         self.drill = faults.Drill(cfg.faults, dist.rank())  # faults.* switches: off unless enabled
+        self.profiler = Profiler(cfg.profiler, self.run.dir, self.device, dist.rank())
+        self.warnings = Warnings(cfg.profiler, accelerator=self.device.type != "cpu")
         self.name = name
         self.identity = identity or data_identity(cfg)  # the tokenizer and data, which a resume compares
         self.guard = Guard(cfg.guard)  # judges the policy's steps (a critic's only skips non-finite ones)
@@ -343,6 +346,7 @@ class Trainer:
             if t.eval_at_start and self.step == 0:
                 self.report_eval(bar)
             while self.step < t.max_steps:
+                self.profiler.before(self.step + 1)
                 t0 = time.perf_counter()
                 watchdog.phase("data", step=self.step + 1)
                 micro = self.loader.next()
@@ -359,12 +363,17 @@ class Trainer:
                 faults.at("step", self.step)
                 self.drill.after(self.step)
 
+                timers = {
+                    "step_s": t_end - t0,
+                    "data_s": self.loader.data_s,
+                    "fwd_bwd_s": out["t_bwd"] - t_data,
+                    "optim_s": t_end - out["t_bwd"],
+                }
                 window["steps"] += 1
                 window["tokens"] += out["tokens"]
-                window["step_s"] += t_end - t0
-                window["data_s"] += self.loader.data_s
-                window["fwd_bwd_s"] += out["t_bwd"] - t_data
-                window["optim_s"] += t_end - out["t_bwd"]
+                for k, v in timers.items():
+                    window[k] += v
+                self.report_profile(self.profiler.after(self.step, timers), bar)
                 bar.update(self.step, out["loss"])
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     self.log_step(out, window, bar)
@@ -423,6 +432,15 @@ class Trainer:
             shown += [f"val_{k} {rec[f'val_{k}']:.4g}" for k in console if f"val_{k}" in rec]
             bar.print(" | ".join(shown))
 
+    def report_profile(self, result: dict | None, bar) -> None:
+        """The profiled steps' breakdown: on the console, in events.log and the run card (rank 0)."""
+        if result is None or not dist.is_main():
+            return
+        text = table(result, self.profiler.first, self.profiler.last)
+        bar.print(text)
+        self.run.events(f"{text}\ntraces: {self.run.dir / 'profile'}", echo=False)
+        self.run.write_card(profile={k: v for k, v in result.items()})
+
     def log_step(self, out: dict, window: dict, bar) -> None:
         n = max(1, window["steps"])
         tps = window["tokens"] / max(window["step_s"], 1e-9)
@@ -454,6 +472,9 @@ class Trainer:
         rec.update(out["metrics"])
         rec.update(extra)
         self.run.metrics.write(rec)
+        if dist.is_main():
+            for msg in self.warnings.check(rec):
+                self.run.events(msg, level="warning")
         self.last_record = rec
         self.recipe_metrics = {**out["metrics"], **extra}
         bar.print(format_line(rec, (*self.loss.console, *getattr(self.loader, "console", ()))))

@@ -37,12 +37,13 @@ class EventLog:
         self.console = console
         self.echo = echo and dist.is_main()
 
-    def __call__(self, msg: str, *, level: str = "info") -> None:
+    def __call__(self, msg: str, *, level: str = "info", echo: bool = True) -> None:
+        """echo=False: the file only (what the console has already shown in its own form)."""
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         line = f"{stamp} [rank {dist.rank()}] {level.upper()}: {msg}\n"
         with open(self.path, "a") as f:
             f.write(line)
-        if self.echo:
+        if self.echo and echo:
             style = {"warning": "yellow", "error": "bold red"}.get(level, "dim")
             (self.console or Console(stderr=True)).print(f"[{style}]{msg}[/{style}]", highlight=False)
 
