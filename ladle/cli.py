@@ -168,6 +168,22 @@ def cmd_bench_data(args) -> int:
     return bench.run_data(args)
 
 
+def cmd_report(args) -> int:
+    from ladle.report import report
+
+    print(f"wrote {report(args.run, args.output)}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from ladle.report import compare
+
+    text, page = compare(args.runs, args.output)
+    print(text)
+    print(f"\nwrote {page}")
+    return 0
+
+
 def cmd_launch_slurm(args) -> int:
     from ladle.config.load import load_config
     from ladle.launch import write_sbatch
@@ -587,6 +603,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.add_argument("overrides", nargs="*", metavar="key.path=value")
     b.set_defaults(fn=cmd_bench_data)
+
+    s = sub.add_parser("report", help="plots and one HTML page of a run")
+    s.add_argument("run", help="a run directory (output_dir)")
+    s.add_argument("--output", help="default: RUN/report/")
+    s.set_defaults(fn=cmd_report)
+
+    s = sub.add_parser("compare", help="config differences, summary metrics and loss curves of runs")
+    s.add_argument("runs", nargs="+", metavar="RUN")
+    s.add_argument("--output", help="default: the first run's compare/")
+    s.set_defaults(fn=cmd_compare)
 
     s = sub.add_parser("run", help="run a recipe")
     s.add_argument("recipe", help=", ".join(RECIPES))
