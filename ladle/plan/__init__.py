@@ -373,6 +373,26 @@ def with_layout(cfg: LadleConfig, **degrees) -> LadleConfig:
     return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=degrees)})
 
 
+def _degrees(cfg: LadleConfig, world: int, per_node: int):
+    """(dp_replicate, dp_shard, tp, pp, cp, ep) of `world` ranks: tensor parallel within a node;
+    context parallel only for long sequences or where the config asks for it; data parallel
+    sharded over all, replicated over all, or (HSDP) sharded within a node and replicated across;
+    expert parallel over any divisor of dp_shard (MoE)."""
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            for cp in divisors(world // tp // pp):
+                if tp > per_node or (cp > 1 and cfg.parallel.cp == 1 and cfg.data.seq_len < 16384):
+                    continue
+                dp = world // tp // pp // cp
+                replicates = {1, dp}
+                node = per_node // (tp * cp) if per_node % (tp * cp) == 0 else 0
+                if node and dp % node == 0:
+                    replicates.add(dp // node)
+                for rep in sorted(replicates):
+                    for ep in divisors(dp // rep) if cfg.model.moe else [1]:
+                        yield rep, dp // rep, tp, pp, cp, ep
+
+
 def layouts(
     cfg: LadleConfig, recipe: str, target: Target, global_batch: int
 ) -> list[tuple[LadleConfig, Layout | None, str]]:
@@ -381,51 +401,23 @@ def layouts(
     from ladle.parallel.mesh import check_layout
 
     groups = len(roles(cfg, recipe))
-    world = target.devices // groups
     out = []
-    seen = set()
-    for tp in divisors(world):
-        if tp > target.per_node:
+    for rep, shard, tp, pp, cp, ep in _degrees(cfg, target.devices // groups, target.per_node):
+        c = with_layout(cfg, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
+        per_step = cfg.train.micro_batch_size * rep * shard  # accumulation takes up the rest
+        if global_batch % per_step:
+            why = (
+                f"{rep * shard} data ranks x micro-batch {cfg.train.micro_batch_size} do not divide "
+                f"the global batch of {global_batch} sequences"
+            )
+            out.append((c, None, why))
             continue
-        for pp in divisors(world // tp):
-            for cp in divisors(world // tp // pp):
-                if cp > 1 and cfg.parallel.cp == 1 and cfg.data.seq_len < 16384:
-                    continue  # context parallel only for long sequences or where asked for
-                dp = world // tp // pp // cp
-                inner = tp * cp
-                # replicate across nodes, shard within one (HSDP), or shard over all
-                replicates = {1, dp}
-                if target.per_node % inner == 0 and dp % max(1, target.per_node // inner) == 0:
-                    replicates.add(dp // (target.per_node // inner))
-                for rep in sorted(replicates):
-                    shard = dp // rep
-                    for ep in divisors(shard) if cfg.model.moe else [1]:
-                        key = (rep, shard, tp, pp, cp, ep)
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        c = with_layout(cfg, dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, cp=cp, ep=ep)
-                        # The global batch stays the config's: accumulation takes up what dp does not.
-                        per_step = cfg.train.micro_batch_size * rep * shard
-                        if global_batch % per_step:
-                            out.append(
-                                (
-                                    c,
-                                    None,
-                                    f"{rep * shard} data ranks x micro-batch {cfg.train.micro_batch_size} "
-                                    f"do not divide the global batch of {global_batch} sequences",
-                                )
-                            )
-                            continue
-                        accum = global_batch // per_step
-                        c = c.model_copy(
-                            update={"train": c.train.model_copy(update={"grad_accum_steps": accum})}
-                        )
-                        try:
-                            lay = check_layout(c, target.devices, groups, "the separated placement")
-                            out.append((c, lay, ""))
-                        except ConfigError as e:
-                            out.append((c, None, str(e).split(": ", 1)[-1]))
+        train = c.train.model_copy(update={"grad_accum_steps": global_batch // per_step})
+        c = c.model_copy(update={"train": train})
+        try:
+            out.append((c, check_layout(c, target.devices, groups, "the separated placement"), ""))
+        except ConfigError as e:
+            out.append((c, None, str(e).split(": ", 1)[-1]))
     return out
 
 
@@ -437,12 +429,10 @@ def rank(
     for c, lay, why in layouts(cfg, recipe, target, global_batch):
         if lay is None:
             p = c.parallel
-            invalid.append(
-                (
-                    f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}",
-                    why,
-                )
+            name = (
+                f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} pp={p.pp} cp={p.cp} ep={p.ep}"
             )
+            invalid.append((name, why))
             continue
         e = estimate(c, recipe, lay, target)
         if c.train.grad_accum_steps != cfg.train.grad_accum_steps:
