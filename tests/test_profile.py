@@ -52,6 +52,20 @@ def test_profiled_steps_write_a_trace_and_the_breakdown(tiny_config, tmp_path, c
     assert "step time by category" in (out / "events.log").read_text()
 
 
+def test_a_profile_longer_than_the_run_ends_with_it(tiny_config, tmp_path):
+    out = run(
+        tiny_config,
+        tmp_path,
+        "profiler.enabled=true",
+        "profiler.start_step=3",
+        "profiler.steps=10",
+        "train.max_steps=4",
+        "train.eval_every=0",
+    )
+    assert (out / "profile" / "rank0.steps3-4.pt.trace.json").is_file()
+    assert json.loads((out / "run_card.json").read_text())["profile"]["step_s"] > 0
+
+
 @pytest.mark.slow
 def test_two_ranks_see_their_collectives(tiny_config, tmp_path):
     out = run(

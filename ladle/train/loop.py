@@ -320,9 +320,19 @@ class Trainer:
             except torch.OutOfMemoryError as e:
                 from ladle.plan import oom_report
 
-                text = oom_report(
-                    self.cfg, self.run.recipe, self.parallel.layout, self.device, dist.rank(), self.step + 1
-                )
+                try:
+                    text = oom_report(
+                        self.cfg,
+                        self.run.recipe,
+                        self.parallel.layout,
+                        self.device,
+                        dist.rank(),
+                        self.step + 1,
+                    )
+                except Exception as why:  # the report must not hide the error it reports
+                    text = (
+                        f"out of memory on rank {dist.rank()} in step {self.step + 1} ({why!r} in the report)"
+                    )
                 self.run.events(text, level="error")
                 raise OutOfMemory(text) from e
 
@@ -393,6 +403,7 @@ class Trainer:
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < t.max_steps:
                     self.save()
         self.loader.close()
+        self.report_profile(self.profiler.finish(self.step), bar)  # a profile the run ended within
         if status == "completed":
             self.report_eval(bar)
         self.save(blocking=True)

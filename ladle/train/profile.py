@@ -134,8 +134,13 @@ class Profiler:
             return None
         for k in self.timers:
             self.timers[k] += timers[k]
-        if step < self.last:
+        return self.finish(step) if step >= self.last else None
+
+    def finish(self, step: int) -> dict | None:
+        """Stops a profile still running (the run ended first) with the steps it has; the breakdown."""
+        if self.prof is None:
             return None
+        self.last = step
         self.prof.__exit__(None, None, None)
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"rank{self.rank}.steps{self.first}-{self.last}.pt.trace.json"
