@@ -1,6 +1,7 @@
 """Run by test_parallel.py under torchrun (2 processes): context-parallel attention against the
 whole sequence in one process. `allgather` (gloo, CPU): packed rows with many documents.
-`ring` (NCCL, one CUDA device per process): PyTorch's ring attention, one document a row."""
+`ring` (NCCL, one CUDA device per process): PyTorch's ring attention, one document a row.
+A second argument `window`: the model has a sliding window of 5 positions."""
 
 import os
 import sys
@@ -22,7 +23,12 @@ if ring:
 dist.init_process_group("nccl" if ring else "gloo")
 torch.set_num_threads(1)
 torch.manual_seed(0)
-cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+window = (
+    {"sliding_window": 5, "family": "mistral"} if "window" in sys.argv[2:] else {}
+)  # every layer windowed
+cfg = ModelConfig(
+    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64, **window
+)
 model = build_model(cfg, device=device)
 B, T = 3, 32
 tokens = torch.randint(0, 64, (B, T)).to(device)

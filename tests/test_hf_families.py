@@ -135,13 +135,15 @@ QWEN3_MOE = {
     "change,message",
     [
         ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "supported: LlamaForCausalLM, Qwen2"),
-        (
-            {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 16},
-            "sliding-window",
-        ),
-        (
-            {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True},
-            "sliding-window",
+        (  # sliding windows load (tests/test_sliding_window.py); patterns ladle cannot compute do not
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            "is not full attention up to one layer and sliding windows after it",
         ),
         (
             {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},

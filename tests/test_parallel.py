@@ -616,9 +616,18 @@ def test_cp_shards_follow_pytorchs_head_tail_load_balancer():
         assert torch.equal(ours, theirs.long()), (T, cp)
 
 
-def run_cp_attention(attention: str):
+def run_cp_attention(attention: str, *extra: str):
     script = Path(__file__).parent / "dist_cp_attention.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), attention]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        attention,
+        *extra,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count(f"context-parallel {attention} attention matches") == 2
@@ -628,6 +637,11 @@ def test_cp_attention_keeps_documents_apart_like_one_process():
     # Rows of ~5 packed documents each (the layout runs above rarely cross a boundary): logits
     # of each rank's tokens and the summed gradients equal the unsplit sequence's, fp32, 1e-5.
     run_cp_attention("allgather")
+
+
+def test_cp_attention_keeps_a_sliding_window_like_one_process():
+    # The same with a window of 5 positions in every layer: the gathered keys' mask narrows to it.
+    run_cp_attention("allgather", "window")
 
 
 @pytest.mark.accelerator

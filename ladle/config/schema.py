@@ -71,7 +71,7 @@ class MoEConfig(Section):
 
 class ModelConfig(Section):
     """A decoder of the Llama family (Llama 2/3, Qwen2 with `qkv_bias`, Qwen3 with `qk_norm`,
-    Mistral without a sliding window), dense or with a `moe` section (Mixtral, Qwen3-MoE).
+    Mistral; sliding-window attention), dense or with a `moe` section (Mixtral, Qwen3-MoE).
     `family` names the Hugging Face architecture it exports as."""
 
     preset: str | None = Field(
@@ -105,6 +105,16 @@ class ModelConfig(Section):
     tie_embeddings: bool = Field(False, description="output head shares the input embedding")
     qkv_bias: bool = Field(False, description="bias on q/k/v projections (Qwen2)")
     qk_norm: bool = Field(False, description="RMSNorm on q and k per head (Qwen3)")
+    sliding_window: int | None = Field(
+        None,
+        ge=1,
+        description="sliding-window attention: a query sees this many positions, its own included (Mistral v0.1's 4096, Qwen2's `use_sliding_window`); null: full causal attention",
+    )
+    max_window_layers: int = Field(
+        0,
+        ge=0,
+        description="with `sliding_window`, the layers below this index attend in full and the rest through the window (Qwen2's `max_window_layers`); 0: every layer",
+    )
     init_std: float = Field(
         0.02,
         gt=0,
@@ -141,8 +151,23 @@ class ModelConfig(Section):
             )
         if self.head_size % 2:
             raise ValueError(f"the head size ({self.head_size}) must be even for RoPE")
+        if self.max_window_layers and self.sliding_window is None:
+            raise ValueError("model.max_window_layers needs model.sliding_window")
+        if self.max_window_layers > self.n_layers:
+            raise ValueError(
+                f"model.max_window_layers ({self.max_window_layers}) is more than n_layers ({self.n_layers})"
+            )
         if self.init_from:  # the checkpoint's config.json gives the family and the experts
             return self
+        if self.sliding_window is not None and self.family == "llama":
+            raise ValueError(
+                "model.sliding_window: Llama has no sliding window in Hugging Face's format; use family "
+                "mistral (every layer) or qwen2 (from max_window_layers on)"
+            )
+        if self.max_window_layers and self.family in ("mistral", "mixtral"):
+            raise ValueError(
+                f"model.max_window_layers: family {self.family} windows every layer; set it to 0, or use family qwen2"
+            )
         moe_family = self.family in ("mixtral", "qwen3_moe")
         if self.moe is not None and (self.moe.n_experts is None or self.moe.ffn_dim is None):
             raise ValueError("model.moe needs n_experts and ffn_dim (or model.init_from, which gives them)")

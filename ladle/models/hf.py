@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out: config.json <-> ModelConfig, safetensors <-> our state_dict.
 
 Dense families: `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v bias), `Qwen3ForCausalLM` (QK-norm,
-free head_dim) and `MistralForCausalLM` (without a sliding window); mixtures of experts:
+free head_dim) and `MistralForCausalLM`, each with or without a sliding window; mixtures of experts:
 `MixtralForCausalLM` and `Qwen3MoeForCausalLM` (QK-norm). They share module names, so the name
 map is a prefix (our modules mirror HF's `LlamaModel`): `model.` + our key, except the head
 `lm_head.weight`, which is absent when embeddings are tied, and the experts: HF checkpoints hold
@@ -166,10 +166,20 @@ def hf_config(
         d["attention_bias"] = False
     if cfg.family == "llama":
         d.update(mlp_bias=False, pretraining_tp=1)
+    window = cfg.sliding_window
     if cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
-        d.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+        d.update(
+            use_sliding_window=window is not None,
+            sliding_window=window,
+            max_window_layers=cfg.max_window_layers if window is not None else cfg.n_layers,
+        )
     if cfg.family in ("mistral", "mixtral"):
-        d["sliding_window"] = None
+        if cfg.max_window_layers:
+            raise CheckpointError(
+                f"model.family={cfg.family} has its sliding window in every layer; "
+                f"model.max_window_layers={cfg.max_window_layers} exports as family qwen2 only"
+            )
+        d["sliding_window"] = window
     m = cfg.moe
     if cfg.family == "mixtral":
         if not m.norm_topk_prob:
@@ -198,6 +208,37 @@ def hf_config(
     return d
 
 
+def _window_from_hf(d: dict, family: str, path) -> dict:
+    """model.sliding_window / max_window_layers from a config.json, as transformers reads it:
+    Mistral and Mixtral window every layer when `sliding_window` is set; the Qwen families only
+    with `use_sliding_window`, from layer `max_window_layers` on (or as `layer_types` says)."""
+    window = d.get("sliding_window")
+    n = d.get("num_hidden_layers", 0)
+    if family in ("mistral", "mixtral"):
+        return {"sliding_window": window, "max_window_layers": 0} if window is not None else {}
+    if family not in ("qwen2", "qwen3", "qwen3_moe") or not d.get("use_sliding_window") or window is None:
+        if "layer_types" in d and any(t != "full_attention" for t in d["layer_types"] or []):
+            raise CheckpointError(
+                f"{path}: layer_types {d['layer_types']} asks for attention ladle does not compute"
+            )
+        return {}
+    first = d.get("max_window_layers", 0)
+    types = d.get("layer_types")
+    if types:  # explicit per-layer kinds: ladle computes a full prefix, then windows
+        windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        first = windowed[0] if windowed else n
+        if windowed != list(range(first, n)) or any(
+            t not in ("sliding_attention", "full_attention") for t in types
+        ):
+            raise CheckpointError(
+                f"{path}: layer_types {types} is not full attention up to one layer and sliding windows "
+                "after it, the pattern ladle computes (model.max_window_layers)"
+            )
+    if first >= n:
+        return {}  # no layer is windowed
+    return {"sliding_window": window, "max_window_layers": first}
+
+
 def model_config_from_hf(d: dict, path) -> ModelConfig:
     """ModelConfig from a config.json dict of a supported architecture; `path` names the file in
     errors. Anything ladle's model would not compute exactly is refused, never approximated."""
@@ -223,14 +264,7 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
             raise CheckpointError(
                 f"{path}: {key}: true is not supported ({FAMILIES[family][0]} in ladle has no such biases)"
             )
-    window = d.get("sliding_window")
-    if d.get("use_sliding_window") or (
-        family == "mistral" and window is not None and window < d.get("max_position_embeddings", 0)
-    ):
-        raise CheckpointError(
-            f"{path}: sliding-window attention (sliding_window={window}) is not supported yet; "
-            "supported: full causal attention (sliding_window null, or use_sliding_window false)"
-        )
+    window_fields = _window_from_hf(d, family, path)
     missing = [hf for hf in CONFIG_MAP.values() if hf not in d and hf != "initializer_range"]
     if missing:
         raise CheckpointError(f"{path}: missing keys {missing}")
@@ -253,6 +287,7 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
         )
 
     fields = {ours: d[hf] for ours, hf in CONFIG_MAP.items() if hf in d}
+    fields.update(window_fields)
     if family in MOE_NAMES:
         fields["moe"] = _moe_from_hf(d, family, path)
     n_heads, dim = d["num_attention_heads"], d["hidden_size"]

@@ -120,8 +120,9 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
+        self.window = window  # sliding-window attention: positions a query sees, its own included
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_size
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         self.q_proj = nn.Linear(cfg.dim, H * D, bias=cfg.qkv_bias)
@@ -148,8 +149,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         q, k = apply_rope(q, cq, sq), apply_rope(k, cos, sin)
-        if at is not None:  # each query sees the keys up to its own position
-            mask = (torch.arange(T, device=x.device) <= at[:, None])[:, None, None, :]  # (B, 1, 1, T)
+        if at is not None:  # each query sees the keys up to its own position (and within its window)
+            k_pos = torch.arange(T, device=x.device)
+            seen = k_pos <= at[:, None]
+            if self.window is not None:
+                seen = seen & (k_pos > at[:, None] - self.window)
+            mask = seen[:, None, None, :]  # (B, 1, 1, T)
         y = self.attend(q, k, v, mask, cache, layer)  # (B, H, Tq, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, Tq, -1))
 
@@ -175,11 +180,18 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
 
 
+def layer_window(cfg: ModelConfig, layer: int) -> int | None:
+    """The sliding window of layer `layer`, None where it attends in full (Qwen2's max_window_layers)."""
+    if cfg.sliding_window is None or layer < cfg.max_window_layers:
+        return None
+    return cfg.sliding_window
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_window(cfg, layer))
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.moe else MLP(cfg)
 
@@ -205,6 +217,7 @@ class PackedMask:
     """
 
     def __init__(self, doc_ids: torch.Tensor):
+        self.doc_ids = doc_ids
         boundary = (doc_ids != doc_ids[:, :1]).any(1)  # (B,)
         self.order = torch.argsort(boundary.to(torch.uint8), stable=True)  # causal-only rows first
         self.n_plain = int((~boundary).sum())
@@ -214,6 +227,13 @@ class PackedMask:
     @property
     def mixed(self) -> bool:
         return 0 < self.n_plain < len(self.order)
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """The document mask of every row (in `order`) narrowed to a sliding window: an explicit
+        (B, 1, T, T) mask, since the causal fast path cannot take a window."""
+        d = self.doc_ids[self.order]
+        T = d.shape[1]
+        return attention_mask(d, d, 0) & window_band(0, T, T, window, d.device)
 
     def attend(self, q, k, v) -> torch.Tensor:
         """q (B, H, T, D), k/v (B, K, T, D), rows in `order`; returns (B, H, T, D)."""
@@ -273,6 +293,24 @@ def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def window_band(start: int, T: int, S: int, window: int, device) -> torch.Tensor:
+    """(T, S) bool: key slot j is within `window` positions of query slot i (start + i), i - j < window."""
+    q_idx = torch.arange(start, start + T, device=device)
+    return torch.arange(S, device=device)[None, :] > q_idx[:, None] - window
+
+
+def windowed(mask, window: int, T: int, device) -> torch.Tensor | object:
+    """`mask` (None: plain causal; a (B, 1, T, S) bool mask; a PackedMask; a context-parallel
+    attention) narrowed to a sliding window."""
+    if mask is None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        return (causal & window_band(0, T, T, window, device))[None, None]
+    if isinstance(mask, torch.Tensor):
+        S = mask.shape[-1]
+        return mask & window_band(S - T, T, S, window, device)
+    return mask.windowed(window)
+
+
 def attention_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, start: int) -> torch.Tensor:
     """(B, 1, T, S) bool, True = may attend: key j is at or before query i and in the same document.
 
@@ -299,7 +337,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.head == "score":  # a reward model: one scalar per position (HF's score.weight)
             self.score = nn.Linear(cfg.dim, 1, bias=False)
@@ -368,8 +406,15 @@ class Llama(nn.Module):
         cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, head_dim) each
         router_stats = []
         blocks = list(self.blocks())
+        window_mask = None  # sliding-window layers' mask, built once for all of them
         for n, (i, layer) in enumerate(blocks):
-            x, router = layer(x, cos, sin, mask, cache, i, at if n == len(blocks) - 1 else None)
+            layer_mask = mask
+            window = layer.self_attn.window
+            if window is not None and window < (start + T):  # a window as long as the keys: plain causal
+                if window_mask is None:
+                    window_mask = windowed(mask, window, T, tokens.device)
+                layer_mask = window_mask
+            x, router = layer(x, cos, sin, layer_mask, cache, i, at if n == len(blocks) - 1 else None)
             if router is not None:
                 router_stats.append(router)
         self.router_stats = router_stats

@@ -24,6 +24,8 @@ batch carries the attention object under "attention", which the model uses in pl
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -91,6 +93,7 @@ class GatheredAttention:
         # Gathered keys arrive rank by rank, so the slot of key j is all_slots[j]: the mask is
         # built in that order and the keys are never permuted back.
         all_slots = torch.cat([shard_indices(seq_len, cp.size, r, idx.device) for r in range(cp.size)])
+        self.idx, self.all_slots = idx, all_slots
         mask = all_slots[None, :] <= idx[:, None]  # (T/cp, T) causal over global slots
         if doc_ids is not None:
             same = doc_ids[:, idx, None] == doc_ids[:, None, all_slots]  # (B, T/cp, T)
@@ -98,6 +101,12 @@ class GatheredAttention:
         else:
             mask = mask[None]
         self.mask = mask[:, None]  # (B or 1, 1, T/cp, T); a query always sees itself
+
+    def windowed(self, window: int) -> GatheredAttention:
+        """The same, each query seeing only the `window` positions up to its own (sliding window)."""
+        out = copy.copy(self)
+        out.mask = self.mask & (self.all_slots[None, :] > self.idx[:, None] - window)
+        return out
 
     def attend(self, q, k, v) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor

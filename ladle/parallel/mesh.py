@@ -196,6 +196,10 @@ def check_layout(cfg: LadleConfig, world: int, roles: int = 1, why: str = "") ->
             errors.append("cp > 1 with pp > 1 is not supported yet")
         if lay.ep > 1:
             errors.append("cp > 1 with ep > 1 is not supported yet")
+        if cfg.parallel.cp_attention == "ring" and m.sliding_window is not None:
+            errors.append(
+                "parallel.cp_attention=ring has no sliding window (model.sliding_window); use cp_attention=allgather"
+            )
         if cfg.parallel.cp_attention == "ring" and cfg.data.document_mask:
             errors.append(
                 "parallel.cp_attention=ring has no document mask; set data.document_mask=false or use "
