@@ -192,10 +192,10 @@ def final_weights(run_dir, cfg_file):
     return model.state_dict()
 
 
-def assert_same_run(a, b, cfg_file, *, loss_tol=None, grad_norm_rel=1e-4):
+def assert_same_run(a, b, cfg_file, *, loss_tol=None, grad_norm_rel=1e-4, skip=(), weight_atol=1e-5):
     """Per-step loss and validation loss to `loss_tol` (default 1e-5 absolute: fp32, the sums run
     in another order over shards), gradient norm to `grad_norm_rel`, and, when `cfg_file` is
-    given, the final weights to 1e-5."""
+    given, the final weights to `weight_atol` (but those whose names end with one of `skip`)."""
     loss_tol = loss_tol or {"abs": 1e-5}
     ra, rb = read_metrics(a), read_metrics(b)
     la = {r["step"]: r for r in ra if "loss" in r}
@@ -213,7 +213,8 @@ def assert_same_run(a, b, cfg_file, *, loss_tol=None, grad_norm_rel=1e-4):
         return
     wa, wb = final_weights(a, cfg_file), final_weights(b, cfg_file)
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], atol=1e-5, rtol=1e-4, msg=k)
+        if not k.endswith(tuple(skip)):
+            torch.testing.assert_close(wb[k], wa[k], atol=weight_atol, rtol=1e-4, msg=k)
 
 
 LAYOUTS = {
@@ -285,6 +286,32 @@ def test_tensor_parallel_with_tied_embeddings(tokenizer_dir, data_dir, tmp_path)
     out = tmp_path / "tp"
     launch(cfg_file, out, 2, "parallel.tp=2", "parallel.dp_shard=1")
     assert_same_run(one, out, cfg_file)
+
+
+GLM4 = {
+    "family": "glm4",
+    "qkv_bias": True,
+    "rope_interleaved": True,
+    "post_norms": True,
+    "partial_rotary_factor": 0.5,
+    "head_dim": 8,
+}
+
+
+@pytest.mark.slow
+def test_glm4_under_tensor_parallel_and_fsdp_trains_like_one_process(tokenizer_dir, data_dir, tmp_path):
+    # GLM-4-0414's post-norms on the sequence shards, partial interleaved RoPE, q/k/v biases.
+    # The k bias of the dimensions RoPE leaves alone adds q.b to every score of a query alike,
+    # which softmax ignores: its gradient is zero but for rounding, which AdamW scales up to lr
+    # steps of either sign. So it is left out of the weights compared (losses are compared); the
+    # rest within 3e-5 (the head's rows of unseen tokens take AdamW-normalised rounding too).
+    cfg_file, one = reference_run(tokenizer_dir, data_dir, tmp_path, GLM4)
+    for name, layout in (
+        ("tp", ["parallel.tp=2", "parallel.dp_shard=1"]),
+        ("fsdp", ["parallel.dp_shard=2", "train.micro_batch_size=1"]),
+    ):
+        launch(cfg_file, tmp_path / name, 2, *layout)
+        assert_same_run(one, tmp_path / name, cfg_file, skip=("k_proj.bias",), weight_atol=3e-5)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ PUBLISHED = {
     "mistral-7b": 7.248,
     "mixtral-8x7b": 46.703,
     "qwen3-30b-a3b": 30.532,
+    "glm-4-9b": 9.400,
+    "glm-4-32b-0414": 32.566,
 }
 # Active parameters per token of the MoE models (billions, to one decimal as their model cards
 # give them; Qwen's 3.3 is 3.35 cut off, not rounded).
@@ -68,6 +70,7 @@ def test_preset_keys_set_beside_it_win_and_unknown_names_are_refused():
     moe = _cfg("qwen3-30b-a3b", moe={"z_loss_weight": 0.001}).model.moe  # merged key by key
     assert (moe.z_loss_weight, moe.n_experts, moe.top_k, moe.aux_loss_weight) == (0.001, 128, 8, 0.001)
     with pytest.raises(
-        ConfigError, match=r"unknown model 'qwen3-9b' \(did you mean 'qwen3-8b'\?\); bundled: llama"
+        ConfigError,
+        match=r"unknown model 'qwen3-9b' \(did you mean 'qwen3-8b'\?\); bundled: glm-4-32b-0414, glm-4-9b, llama",
     ):
         _cfg("qwen3-9b")

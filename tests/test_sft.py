@@ -337,7 +337,7 @@ def test_sft_run_then_generation_eval(tokenizer_dir, tmp_path, capsys):
 REAL = {  # config: the world size it is written for
     "sft/qwen2.5-7b-lora": 1,
     "sft/llama-3.1-8b-full-sft-8dev": 8,
-    "sft/glm4-9b-class-full-sft-4x64g": 4,
+    "sft/glm4-9b-full-sft-4x64g": 4,
     "sft/llama-3.1-70b-lora-8dev": 8,
     "sft/qwen3-30b-a3b-lora": 8,
 }

@@ -76,11 +76,11 @@ class ModelConfig(Section):
 
     preset: str | None = Field(
         None,
-        description="a bundled model definition whose shape fills the model section (keys set beside it win): `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`, `llama-3.1-70b`, `llama-2-70b`, `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`, `qwen3-8b`, `qwen3-32b`, `qwen3-30b-a3b`, `mistral-7b`, `mixtral-8x7b` (files in `ladle/config/presets/`)",
+        description="a bundled model definition whose shape fills the model section (keys set beside it win): `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`, `llama-3.1-70b`, `llama-2-70b`, `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`, `qwen3-8b`, `qwen3-32b`, `qwen3-30b-a3b`, `mistral-7b`, `glm-4-9b`, `glm-4-32b-0414`, `mixtral-8x7b` (files in `ladle/config/presets/`)",
     )
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] = Field(
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "glm", "glm4", "mixtral", "qwen3_moe"] = Field(
         "llama",
-        description="`llama`, `qwen2` (with `qkv_bias`), `qwen3` (with `qk_norm`), `mistral`, or the mixture-of-experts `mixtral` and `qwen3_moe` (with `model.moe`): the Hugging Face architecture of `ladle export hf` (docs/training.md)",
+        description="`llama`, `qwen2` (with `qkv_bias`), `qwen3` (with `qk_norm`), `mistral`, `glm` and `glm4` (GLM-4: `qkv_bias`, partial interleaved rotary; `glm4` with `post_norms`), or the mixture-of-experts `mixtral` and `qwen3_moe` (with `model.moe`): the Hugging Face architecture of `ladle export hf` (docs/training.md)",
     )
     vocab_size: int = Field(32000, ge=1, description="embedding rows; at least the tokenizer's vocabulary")
     dim: int = Field(512, ge=1, description="hidden size")
@@ -105,6 +105,20 @@ class ModelConfig(Section):
     tie_embeddings: bool = Field(False, description="output head shares the input embedding")
     qkv_bias: bool = Field(False, description="bias on q/k/v projections (Qwen2)")
     qk_norm: bool = Field(False, description="RMSNorm on q and k per head (Qwen3)")
+    partial_rotary_factor: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="the share of each head's dimensions RoPE rotates, the first ones (GLM-4: 0.5); the rest pass through",
+    )
+    rope_interleaved: bool = Field(
+        False,
+        description="RoPE rotates adjacent pairs (GLM's layout) instead of the two halves (Llama's `rotate_half`)",
+    )
+    post_norms: bool = Field(
+        False,
+        description="an RMSNorm on the attention's and the MLP's output before each residual add (GLM-4-0414, `family: glm4`)",
+    )
     sliding_window: int | None = Field(
         None,
         ge=1,
@@ -138,6 +152,11 @@ class ModelConfig(Section):
     def head_size(self) -> int:
         return self.head_dim or self.dim // self.n_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head RoPE rotates (the first ones; all but with partial_rotary_factor)."""
+        return int(self.head_size * self.partial_rotary_factor)
+
     @model_validator(mode="after")
     def _check_heads(self):
         if self.n_heads % self.kv_heads:
@@ -151,6 +170,11 @@ class ModelConfig(Section):
             )
         if self.head_size % 2:
             raise ValueError(f"the head size ({self.head_size}) must be even for RoPE")
+        if self.rotary_dim % 2:
+            raise ValueError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor} rotates {self.rotary_dim} of the "
+                f"{self.head_size} dimensions of a head; that must be an even number"
+            )
         if self.max_window_layers and self.sliding_window is None:
             raise ValueError("model.max_window_layers needs model.sliding_window")
         if self.max_window_layers > self.n_layers:

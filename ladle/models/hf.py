@@ -1,7 +1,9 @@
 """Hugging Face checkpoints in and out: config.json <-> ModelConfig, safetensors <-> our state_dict.
 
 Dense families: `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v bias), `Qwen3ForCausalLM` (QK-norm,
-free head_dim) and `MistralForCausalLM`, each with or without a sliding window; mixtures of experts:
+free head_dim), `MistralForCausalLM`, each with or without a sliding window, `GlmForCausalLM` and
+`Glm4ForCausalLM` (GLM-4: partial interleaved RoPE, q/k/v bias, a fused gate_up_proj split at
+load and joined at export; 0414's post-norms); mixtures of experts:
 `MixtralForCausalLM` and `Qwen3MoeForCausalLM` (QK-norm). They share module names, so the name
 map is a prefix (our modules mirror HF's `LlamaModel`): `model.` + our key, except the head
 `lm_head.weight`, which is absent when embeddings are tied, and the experts: HF checkpoints hold
@@ -40,15 +42,27 @@ FAMILY_FEATURES = {
     "qwen2": (True, False),
     "qwen3": (False, True),
     "mistral": (False, False),
+    "glm": (True, False),
+    "glm4": (True, False),
     "mixtral": (False, False),
     "qwen3_moe": (False, True),
 }
+# GLM-4's own layout: RoPE on adjacent pairs (of the first partial_rotary_factor of each head),
+# and in GLM-4-0414 (`glm4`) a norm after attention and after the MLP; HF fuses gate and up into
+# one `gate_up_proj`, which ladle splits at load and joins at export (`_FUSED`).
+GLM = {
+    "glm": {"rope_interleaved": True, "post_norms": False},
+    "glm4": {"rope_interleaved": True, "post_norms": True},
+}
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.gate_up_proj\.weight)\[(\d*):(\d*)\]")
 # family -> (architecture, model_type)
 FAMILIES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "mistral": ("MistralForCausalLM", "mistral"),
+    "glm": ("GlmForCausalLM", "glm"),
+    "glm4": ("Glm4ForCausalLM", "glm4"),
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
@@ -100,6 +114,15 @@ def hf_layout(cfg: ModelConfig) -> dict[str, tuple[str, int | None, tuple]]:
         ours = Llama(cfg).state_dict()
     layout = {}
     for name, t in ours.items():
+        if cfg.family in GLM and name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            F = t.shape[0]  # HF's gate_up_proj holds gate's rows, then up's
+            rows = f"[:{F}]" if ".gate_proj." in name else f"[{F}:]"
+            layout[to_hf_name(name.rsplit(".", 2)[0]) + ".gate_up_proj.weight" + rows] = (
+                name,
+                None,
+                tuple(t.shape),
+            )
+            continue
         m = _EXPERTS.fullmatch(name) if cfg.moe else None
         if m is None:
             layout[to_hf_name(name)] = (name, None, tuple(t.shape))
@@ -131,7 +154,18 @@ def hf_config(
             f"model.family={cfg.family} ({arch}) cannot express qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}; "
             "set model.family to qwen2 for q/k/v biases, qwen3 for QK-norm, llama or mistral for neither"
         )
+    glm = GLM.get(cfg.family, {"rope_interleaved": False, "post_norms": False})
+    if any(getattr(cfg, k) != v for k, v in glm.items()) or (
+        cfg.family not in GLM and cfg.partial_rotary_factor != 1
+    ):
+        raise CheckpointError(
+            f"model.family={cfg.family} ({arch}) cannot express rope_interleaved={cfg.rope_interleaved}, "
+            f"post_norms={cfg.post_norms}, partial_rotary_factor={cfg.partial_rotary_factor}; GLM-4 is family glm "
+            "(interleaved, partial rotary), GLM-4-0414 family glm4 (also post_norms)"
+        )
     rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.family in GLM:
+        rope_parameters["partial_rotary_factor"] = cfg.partial_rotary_factor
     rope_scaling = None
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
@@ -164,6 +198,8 @@ def hf_config(
         d.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if cfg.family in ("llama", "qwen3"):
         d["attention_bias"] = False
+    if cfg.family in GLM:
+        d.update(attention_bias=True, partial_rotary_factor=cfg.partial_rotary_factor)
     if cfg.family == "llama":
         d.update(mlp_bias=False, pretraining_tp=1)
     window = cfg.sliding_window
@@ -260,10 +296,14 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
     if d.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: hidden_act {d['hidden_act']!r} is not supported, only 'silu'")
     for key in ("attention_bias", "mlp_bias"):
-        if d.get(key):
+        if d.get(key) and not (family in GLM and key == "attention_bias"):
             raise CheckpointError(
                 f"{path}: {key}: true is not supported ({FAMILIES[family][0]} in ladle has no such biases)"
             )
+    if family in GLM and d.get("attention_bias") is False:
+        raise CheckpointError(
+            f"{path}: attention_bias: false is not supported for GLM (its q/k/v have biases)"
+        )
     window_fields = _window_from_hf(d, family, path)
     missing = [hf for hf in CONFIG_MAP.values() if hf not in d and hf != "initializer_range"]
     if missing:
@@ -288,6 +328,13 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
 
     fields = {ours: d[hf] for ours, hf in CONFIG_MAP.items() if hf in d}
     fields.update(window_fields)
+    if family in GLM:
+        fields.update(GLM[family])
+        fields["partial_rotary_factor"] = rope.get(
+            "partial_rotary_factor", d.get("partial_rotary_factor", 0.5)
+        )
+    elif rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError(f"{path}: partial_rotary_factor is supported for GLM only")
     if family in MOE_NAMES:
         fields["moe"] = _moe_from_hf(d, family, path)
     n_heads, dim = d["num_attention_heads"], d["hidden_size"]
@@ -393,6 +440,7 @@ def save_hf(
     tensors = {  # HF names, our module order; experts one tensor each
         hf: sd[ours] if e is None else sd[ours][e] for hf, (ours, e, _) in hf_layout(cfg).items()
     }
+    tensors = _join_fused(tensors)
 
     out_dtype = dtype or next(iter(tensors.values())).dtype
     config = hf_config(
@@ -546,6 +594,37 @@ def load_hf_weights(model: Llama, path) -> list[str]:
     return [n for n in params if n not in weights.held]
 
 
+def _join_fused(tensors: dict) -> dict:
+    """GLM's gate_up_proj from the row ranges `hf_layout` names (gate's rows, then up's)."""
+    out = {}
+    for name, t in tensors.items():
+        m = _FUSED.fullmatch(name)
+        if m is None:
+            out[name] = t
+        elif m[2] == "":  # the first part: join it with the second, which follows it in the layout
+            out[m[1]] = t
+        else:
+            out[m[1]] = torch.cat([out[m[1]], t])
+    return out
+
+
+def _split_fused(header: dict) -> dict:
+    """A GLM header's gate_up_proj entries as two entries for the row ranges `hf_layout` names,
+    each a byte range of the fused tensor (rows are contiguous), so reads stay plain reads."""
+    out = {}
+    for name, info in header.items():
+        if not name.endswith("mlp.gate_up_proj.weight") or len(info.get("shape", ())) != 2:
+            out[name] = info
+            continue
+        rows, cols = info["shape"]
+        start, end = info["data_offsets"]
+        mid = start + (end - start) // 2
+        half = rows // 2
+        out[f"{name}[:{half}]"] = {**info, "shape": [half, cols], "data_offsets": [start, mid]}
+        out[f"{name}[{half}:]"] = {**info, "shape": [rows - half, cols], "data_offsets": [mid, end]}
+    return out
+
+
 class HFWeights:
     """The safetensors of a Hugging Face folder, checked against a model config once (headers
     only: every missing, unexpected or mis-shaped tensor is reported by HF name before anything is
@@ -557,6 +636,8 @@ class HFWeights:
         self.files = _weight_files(folder)
         self.layout = hf_layout(cfg)
         self.headers = {f: _read_header(f) for f in self.files}
+        if cfg.family in GLM:
+            self.headers = {f: (start, _split_fused(h)) for f, (start, h) in self.headers.items()}
         found, self.where = {}, {}
         # A reward model started from a causal LM: its head is not in the files (it starts from
         # the seeded init, `holds`), and the LM head in them is not read.

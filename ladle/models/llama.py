@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     """(head_size/2,) fp32 inverse frequencies; Llama-3.1 scaling as transformers' `_compute_llama3_parameters`."""
-    d = cfg.head_size
+    d = cfg.rotary_dim  # the head size, or the rotated part of it (partial rotary, GLM)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     s = cfg.rope_scaling
     if s is None:
@@ -71,8 +71,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in fp32 even under autocast: bf16 positions * freqs lose whole radians at long range.
         with torch.autocast(positions.device.type, enabled=False):
-            freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, D/2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D), HF's rotate_half layout
+            freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, R/2)
+            if self.cfg.rope_interleaved:  # GLM: the pairs (0, 1), (2, 3), ... share a frequency
+                emb = freqs.repeat_interleave(2, dim=-1)
+            else:
+                emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, R), HF's rotate_half layout
             return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -81,10 +84,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (B, H, T, D); cos/sin (B, T, D) -> broadcast over heads
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-    return x * cos + rotate_half(x) * sin
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """GLM's interleaved rotation: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    # x (B, H, T, D); cos/sin (B, T, R) -> broadcast over heads; R < D: the rest passes through
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R)
+    rotate = rotate_pairs if interleaved else rotate_half
+    R = cos.shape[-1]
+    if R == x.shape[-1]:
+        return x * cos + rotate(x) * sin
+    x_rot, x_pass = x[..., :R], x[..., R:]
+    return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 
 
 class KVCache:
@@ -133,6 +148,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, cfg.norm_eps)
             self.k_norm = RMSNorm(D, cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.interleaved = cfg.rope_interleaved
 
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, layer: int = 0, at=None):
         """at (B,): queries at that one position of each row only (see `Llama.forward`)."""
@@ -148,7 +164,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
-        q, k = apply_rope(q, cq, sq), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cq, sq, self.interleaved), apply_rope(k, cos, sin, self.interleaved)
         if at is not None:  # each query sees the keys up to its own position (and within its window)
             k_pos = torch.arange(T, device=x.device)
             seen = k_pos <= at[:, None]
@@ -194,6 +210,10 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_window(cfg, layer))
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.moe else MLP(cfg)
+        if cfg.post_norms:  # GLM-4-0414: each branch's output normalised before its residual add
+            self.post_self_attn_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.post_mlp_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_norms = cfg.post_norms
 
     def forward(self, x, cos, sin, mask=None, cache=None, layer=0, at=None):
         """-> (x, router statistics or None for a dense MLP); (B, 1, dim) at `at` (see `Llama.forward`)."""
@@ -201,10 +221,11 @@ class Block(nn.Module):
         if at is not None:
             x = pick(x, at)
         # `at` by keyword: tensor parallelism's input hook on self_attn lays out the positional ones
-        x = x + self.self_attn(h, cos, sin, mask, cache, layer, at=at)
+        a = self.self_attn(h, cos, sin, mask, cache, layer, at=at)
+        x = x + (self.post_self_attn_layernorm(a) if self.post_norms else a)
         y = self.mlp(to_compute_dtype(self.post_attention_layernorm(x)))
         y, router = y if isinstance(y, tuple) else (y, None)
-        return x + y, router
+        return x + (self.post_mlp_layernorm(y) if self.post_norms else y), router
 
 
 class PackedMask:
@@ -505,7 +526,7 @@ def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False, active: 
         mlp = D * m.n_experts + (m.top_k if active else m.n_experts) * 3 * D * m.ffn_dim  # router + experts
     else:
         mlp = 3 * D * F_  # SwiGLU
-    layer = attn + mlp + 2 * D  # + two norms
+    layer = attn + mlp + (4 if cfg.post_norms else 2) * D  # + two norms (four with post_norms)
     embed, head = V * D, (D if cfg.head == "score" else V * D)
     body = L * layer + D  # + final norm
     if exclude_embeddings:

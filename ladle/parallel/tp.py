@@ -71,6 +71,9 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         }
+        if getattr(block, "post_norms", False):  # GLM-4-0414: on the branches' sequence shards
+            plan["post_self_attn_layernorm"] = SequenceParallel(use_local_output=True)
+            plan["post_mlp_layernorm"] = SequenceParallel(use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
         attn = block.self_attn
         if getattr(attn, "qk_norm", False):

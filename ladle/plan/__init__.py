@@ -470,6 +470,9 @@ def remedy(cfg: LadleConfig, recipe: str, lay: Layout, target: Target) -> tuple[
     def halve_micro():
         mb = c.train.micro_batch_size // 2
         ga = c.train.grad_accum_steps * c.train.micro_batch_size // mb
+        changes[:] = [
+            x for x in changes if not x.startswith("train.micro_batch_size")
+        ]  # the last one says it
         return step(
             {"train": c.train.model_copy(update={"micro_batch_size": mb, "grad_accum_steps": ga})},
             f"train.micro_batch_size={mb} train.grad_accum_steps={ga} (the same global batch)",
