@@ -314,6 +314,29 @@ def test_glm4_under_tensor_parallel_and_fsdp_trains_like_one_process(tokenizer_d
         assert_same_run(one, tmp_path / name, cfg_file, skip=("k_proj.bias",), weight_atol=3e-5)
 
 
+DEEPSEEK = {
+    "family": "deepseek_v3", "rope_interleaved": True, "n_layers": 3,
+    "mla": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8},
+    "moe": {"n_experts": 4, "top_k": 2, "ffn_dim": 32, "scoring": "sigmoid", "n_group": 2, "topk_group": 1,
+            "routed_scaling_factor": 2.5, "n_shared_experts": 1, "dense_layers": 1, "aux_loss_weight": 0.0,
+            "z_loss_weight": 0.0},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_deepseek_v3_under_fsdp_and_expert_parallel_trains_like_one_process(
+    tokenizer_dir, data_dir, tmp_path
+):
+    # Latent attention, shared experts, group-limited sigmoid routing, a dense first layer.
+    cfg_file, one = reference_run(tokenizer_dir, data_dir, tmp_path, DEEPSEEK)
+    for name, layout in (
+        ("fsdp", ["parallel.dp_shard=2", "train.micro_batch_size=1"]),
+        ("ep", ["parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1"]),
+    ):
+        launch(cfg_file, tmp_path / name, 2, *layout)
+        assert_same_run(one, tmp_path / name, cfg_file, weight_atol=3e-5)
+
+
 @pytest.fixture(scope="module")
 def deep_reference(tokenizer_dir, data_dir, tmp_path_factory):
     """Four blocks, so that two stages per rank on two ranks each get one."""

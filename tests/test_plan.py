@@ -298,6 +298,7 @@ def test_rl_recipes_hold_their_extra_models():
 # -- the command line ------------------------------------------------------------------------
 BUNDLED = {  # each bundled config on the devices its name or README gives
     "pretrain/llama-2-70b-16x80g": ("pretrain", 16, "80GB"),
+    "pretrain/deepseek-v3-512x80g": ("pretrain", 512, "80GB"),
     "sft/glm4-9b-full-sft-4x64g": ("sft", 4, "64GB"),
     "sft/qwen2.5-7b-lora": ("sft", 1, "80GB"),
     "sft/llama-3.1-8b-full-sft-8dev": ("sft", 8, "80GB"),

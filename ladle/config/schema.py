@@ -61,12 +61,82 @@ class MoEConfig(Section):
         "auto",
         description="`grouped_mm` (one grouped matmul over tokens sorted by expert), `loop` (one matmul per expert) or `auto` (grouped where this PyTorch and device run it)",
     )
+    scoring: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="router scores: `softmax` over the experts (Mixtral, Qwen3-MoE) or an independent `sigmoid` per expert, chosen with the score-correction bias `gate.e_score_correction_bias` (DeepSeek-V3)",
+    )
+    n_group: int = Field(
+        1,
+        ge=1,
+        description="DeepSeek-V3's group-limited routing: the experts in this many groups, of equal size",
+    )
+    topk_group: int = Field(
+        1,
+        ge=1,
+        description="the groups a token may use (ranked by the sum of their two best scores); at most `n_group`",
+    )
+    routed_scaling_factor: float = Field(
+        1.0, gt=0, description="the routed experts' weights times this (DeepSeek-V3: 2.5)"
+    )
+    n_shared_experts: int = Field(
+        0,
+        ge=0,
+        description="always-on experts beside the routed ones, one SwiGLU of `n_shared_experts x ffn_dim` (DeepSeek's `shared_experts`)",
+    )
+    dense_layers: int = Field(
+        0,
+        ge=0,
+        description="the first this many layers have a dense SwiGLU MLP of `model.ffn_dim` instead (DeepSeek's `first_k_dense_replace`)",
+    )
+    bias_update_rate: float = Field(
+        0.0,
+        ge=0,
+        description="auxiliary-loss-free balancing (DeepSeek-V3's gamma, 0.001): after each step every expert's correction bias moves up by this when it got fewer tokens than the layer's mean over the global batch, down when more; 0: the bias stays as loaded. Needs `scoring: sigmoid`",
+    )
+    aux_loss_scope: Literal["batch", "sequence"] = Field(
+        "batch",
+        description="the load-balancing loss over each micro-batch's tokens, or per sequence and averaged (DeepSeek-V3's complementary sequence-wise loss)",
+    )
 
     @model_validator(mode="after")
     def _check_top_k(self):
         if self.n_experts is not None and self.top_k > self.n_experts:
             raise ValueError(f"top_k ({self.top_k}) must not exceed n_experts ({self.n_experts})")
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"moe.topk_group ({self.topk_group}) must not exceed moe.n_group ({self.n_group})"
+            )
+        if self.n_experts is not None and self.n_experts % self.n_group:
+            raise ValueError(
+                f"moe.n_group={self.n_group} does not divide moe.n_experts={self.n_experts} (groups of equal size)"
+            )
+        if self.bias_update_rate and self.scoring != "sigmoid":
+            raise ValueError(
+                "moe.bias_update_rate moves the sigmoid router's correction bias: set moe.scoring: sigmoid"
+            )
+        if self.n_group > 1 and self.scoring != "sigmoid":
+            raise ValueError(
+                "moe.n_group > 1 (group-limited routing) is DeepSeek-V3's: set moe.scoring: sigmoid"
+            )
         return self
+
+
+class MLAConfig(Section):
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one low-rank latent
+    per token, queries through their own low-rank projection, and a small decoupled part of each
+    head carries RoPE (ladle/models/mla.py)."""
+
+    q_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="rank of the query projection (`q_a_proj` -> norm -> `q_b_proj`); null: one `q_proj`",
+    )
+    kv_lora_rank: int = Field(512, ge=1, description="the latent's size: what the KV cache stores per token")
+    qk_nope_head_dim: int = Field(128, ge=1, description="per head: query/key dimensions without RoPE")
+    qk_rope_head_dim: int = Field(
+        64, ge=2, description="per head: query/key dimensions with RoPE (the key's shared by all heads)"
+    )
+    v_head_dim: int = Field(128, ge=1, description="per head: value dimensions")
 
 
 class ModelConfig(Section):
@@ -76,11 +146,13 @@ class ModelConfig(Section):
 
     preset: str | None = Field(
         None,
-        description="a bundled model definition whose shape fills the model section (keys set beside it win): `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`, `llama-3.1-70b`, `llama-2-70b`, `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`, `qwen3-8b`, `qwen3-32b`, `qwen3-30b-a3b`, `mistral-7b`, `glm-4-9b`, `glm-4-32b-0414`, `mixtral-8x7b` (files in `ladle/config/presets/`)",
+        description="a bundled model definition whose shape fills the model section (keys set beside it win): `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`, `llama-3.1-70b`, `llama-2-70b`, `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`, `qwen3-8b`, `qwen3-32b`, `qwen3-30b-a3b`, `mistral-7b`, `glm-4-9b`, `glm-4-32b-0414`, `mixtral-8x7b`, `deepseek-v3`, `deepseek-v2-lite-class` (files in `ladle/config/presets/`)",
     )
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "glm", "glm4", "mixtral", "qwen3_moe"] = Field(
+    family: Literal[
+        "llama", "qwen2", "qwen3", "mistral", "glm", "glm4", "mixtral", "qwen3_moe", "deepseek_v3"
+    ] = Field(
         "llama",
-        description="`llama`, `qwen2` (with `qkv_bias`), `qwen3` (with `qk_norm`), `mistral`, `glm` and `glm4` (GLM-4: `qkv_bias`, partial interleaved rotary; `glm4` with `post_norms`), or the mixture-of-experts `mixtral` and `qwen3_moe` (with `model.moe`): the Hugging Face architecture of `ladle export hf` (docs/training.md)",
+        description="`llama`, `qwen2` (with `qkv_bias`), `qwen3` (with `qk_norm`), `mistral`, `glm` and `glm4` (GLM-4: `qkv_bias`, partial interleaved rotary; `glm4` with `post_norms`), or the mixture-of-experts `mixtral`, `qwen3_moe` and `deepseek_v3` (with `model.moe`; DeepSeek-V3 also `model.mla`): the Hugging Face architecture of `ladle export hf` (docs/training.md)",
     )
     vocab_size: int = Field(32000, ge=1, description="embedding rows; at least the tokenizer's vocabulary")
     dim: int = Field(512, ge=1, description="hidden size")
@@ -138,7 +210,10 @@ class ModelConfig(Section):
         "lm",
         description="`lm`: next-token logits; `score`: one scalar per position, a reward model's head (HF's `score.weight`, `...ForSequenceClassification`); `ladle run reward` sets it, and it may differ from `init_from`'s (a causal LM's head is then replaced by a new one)",
     )
-    moe: MoEConfig | None = Field(None, description="mixture of experts in every layer; None: dense")
+    moe: MoEConfig | None = Field(
+        None, description="mixture of experts in every layer (after `moe.dense_layers`); None: dense"
+    )
+    mla: MLAConfig | None = Field(None, description="multi-head latent attention (DeepSeek-V3); None: GQA")
     init_from: str | None = Field(
         None,
         description="a Hugging Face model folder, a ladle checkpoint or a run directory (its latest checkpoint) to start from: its `config.json` (or the checkpoint's model section) fills the model section (keys set in the config must agree, except `max_seq_len`, `init_std` and the run's own `moe.aux_loss_weight`, `moe.z_loss_weight` and `moe.dispatch`), its safetensors (or the checkpoint's model state; not the optimizer or the step) the weights; a resumed run takes its weights from the checkpoint instead",
@@ -154,7 +229,10 @@ class ModelConfig(Section):
 
     @property
     def rotary_dim(self) -> int:
-        """The dimensions of a head RoPE rotates (the first ones; all but with partial_rotary_factor)."""
+        """The dimensions of a head RoPE rotates (the first ones; all but with partial_rotary_factor;
+        MLA's decoupled rope part)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_size * self.partial_rotary_factor)
 
     @model_validator(mode="after")
@@ -192,7 +270,13 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.max_window_layers: family {self.family} windows every layer; set it to 0, or use family qwen2"
             )
-        moe_family = self.family in ("mixtral", "qwen3_moe")
+        moe_family = self.family in ("mixtral", "qwen3_moe", "deepseek_v3")
+        if (self.family == "deepseek_v3") != (self.mla is not None):
+            raise ValueError("model.mla (multi-head latent attention) and family deepseek_v3 go together")
+        if self.moe is not None and self.moe.dense_layers > self.n_layers:
+            raise ValueError(
+                f"moe.dense_layers ({self.moe.dense_layers}) is more than n_layers ({self.n_layers})"
+            )
         if self.moe is not None and (self.moe.n_experts is None or self.moe.ffn_dim is None):
             raise ValueError("model.moe needs n_experts and ffn_dim (or model.init_from, which gives them)")
         if moe_family and self.moe is None:

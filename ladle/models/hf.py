@@ -4,7 +4,8 @@ Dense families: `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v bias), `Qwen3ForCa
 free head_dim), `MistralForCausalLM`, each with or without a sliding window, `GlmForCausalLM` and
 `Glm4ForCausalLM` (GLM-4: partial interleaved RoPE, q/k/v bias, a fused gate_up_proj split at
 load and joined at export; 0414's post-norms); mixtures of experts:
-`MixtralForCausalLM` and `Qwen3MoeForCausalLM` (QK-norm). They share module names, so the name
+`MixtralForCausalLM`, `Qwen3MoeForCausalLM` (QK-norm) and `DeepseekV3ForCausalLM` (latent
+attention, shared experts, the router's correction bias `mlp.gate.e_score_correction_bias`). They share module names, so the name
 map is a prefix (our modules mirror HF's `LlamaModel`): `model.` + our key, except the head
 `lm_head.weight`, which is absent when embeddings are tied, and the experts: HF checkpoints hold
 one tensor per expert (`model.layers.0.block_sparse_moe.experts.3.w1.weight` in Mixtral,
@@ -46,6 +47,7 @@ FAMILY_FEATURES = {
     "glm4": (True, False),
     "mixtral": (False, False),
     "qwen3_moe": (False, True),
+    "deepseek_v3": (False, False),
 }
 # GLM-4's own layout: RoPE on adjacent pairs (of the first partial_rotary_factor of each head),
 # and in GLM-4-0414 (`glm4`) a norm after attention and after the MLP; HF fuses gate and up into
@@ -65,13 +67,17 @@ FAMILIES = {
     "glm4": ("Glm4ForCausalLM", "glm4"),
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
 }
 # MoE families: the HF module holding router and experts, and its per-expert names for our
 # (gate_proj, up_proj, down_proj).
 MOE_NAMES = {
     "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
     "qwen3_moe": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+    "deepseek_v3": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
 }
+# DeepSeek-V3's config.json keys for model.mla and model.moe
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 SCORE_SUFFIX = "ForSequenceClassification"  # a reward model: the decoder and a scalar `score` head
 SUPPORTED_ARCHITECTURES = tuple(arch for arch, _ in FAMILIES.values())
 FAMILY_OF = (
@@ -155,6 +161,8 @@ def hf_config(
             "set model.family to qwen2 for q/k/v biases, qwen3 for QK-norm, llama or mistral for neither"
         )
     glm = GLM.get(cfg.family, {"rope_interleaved": False, "post_norms": False})
+    if cfg.family == "deepseek_v3":  # DeepSeek's rope_interleave is a config switch
+        glm = {"post_norms": False}
     if any(getattr(cfg, k) != v for k, v in glm.items()) or (
         cfg.family not in GLM and cfg.partial_rotary_factor != 1
     ):
@@ -236,6 +244,32 @@ def hf_config(
             norm_topk_prob=m.norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[],
+        )
+    if cfg.family == "deepseek_v3":
+        a = cfg.mla
+        d.update({k: getattr(a, k) for k in MLA_KEYS})
+        d.update(
+            head_dim=a.qk_rope_head_dim,
+            qk_head_dim=a.qk_nope_head_dim + a.qk_rope_head_dim,
+            num_key_value_heads=cfg.n_heads,
+            rope_interleave=cfg.rope_interleaved,
+            attention_bias=False,
+            n_routed_experts=m.n_experts,
+            moe_intermediate_size=m.ffn_dim,
+            n_shared_experts=m.n_shared_experts,
+            n_group=m.n_group,
+            topk_group=m.topk_group,
+            routed_scaling_factor=m.routed_scaling_factor,
+            norm_topk_prob=m.norm_topk_prob,
+            first_k_dense_replace=m.dense_layers,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            num_nextn_predict_layers=0,
+        )
+    elif m is not None and (m.scoring != "softmax" or m.n_shared_experts or m.dense_layers):
+        raise CheckpointError(
+            f"model.family={cfg.family} cannot express moe.scoring={m.scoring}, n_shared_experts="
+            f"{m.n_shared_experts}, dense_layers={m.dense_layers}; those are family deepseek_v3's"
         )
     if m is not None:
         d.update(
@@ -328,6 +362,8 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
 
     fields = {ours: d[hf] for ours, hf in CONFIG_MAP.items() if hf in d}
     fields.update(window_fields)
+    if family == "deepseek_v3":
+        fields.update(_deepseek_from_hf(d, path))
     if family in GLM:
         fields.update(GLM[family])
         fields["partial_rotary_factor"] = rope.get(
@@ -340,6 +376,8 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
     n_heads, dim = d["num_attention_heads"], d["hidden_size"]
     kv = d.get("num_key_value_heads") or n_heads
     head_dim = d.get("head_dim") or dim // n_heads
+    if family == "deepseek_v3":  # MLA: its head sizes are model.mla's; head_dim there is the rope part
+        kv, head_dim = n_heads, dim // n_heads
     try:
         return ModelConfig(
             **fields,
@@ -356,6 +394,19 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
         raise CheckpointError(f"{path}: config does not describe a valid model: {e}") from e
 
 
+def _deepseek_from_hf(d: dict, path) -> dict:
+    """model.mla and rope layout of a DeepSeek-V3 config.json; what ladle does not compute is refused."""
+    if d.get("topk_method", "noaux_tc") != "noaux_tc" or d.get("scoring_func", "sigmoid") != "sigmoid":
+        raise CheckpointError(
+            f"{path}: topk_method {d.get('topk_method')!r} / scoring_func {d.get('scoring_func')!r} are not "
+            "supported; supported: noaux_tc with sigmoid scores (DeepSeek-V3's)"
+        )
+    missing = [k for k in MLA_KEYS if k not in d]
+    if missing:
+        raise CheckpointError(f"{path}: multi-head latent attention needs {missing}")
+    return {"mla": {k: d[k] for k in MLA_KEYS}, "rope_interleaved": bool(d.get("rope_interleave", True))}
+
+
 def _moe_from_hf(d: dict, family: str, path) -> dict:
     """The moe section of a Mixtral or Qwen3-MoE config.json; options ladle's MoE does not compute
     (router jitter, dense layers between sparse ones) are refused."""
@@ -365,6 +416,20 @@ def _moe_from_hf(d: dict, family: str, path) -> dict:
                 f"{path}: router_jitter_noise {d['router_jitter_noise']} is not supported; supported: 0.0"
             )
         n, ffn, norm = d.get("num_local_experts"), d.get("intermediate_size"), True
+    elif family == "deepseek_v3":
+        n, ffn, norm = (
+            d.get("n_routed_experts"),
+            d.get("moe_intermediate_size"),
+            bool(d.get("norm_topk_prob", True)),
+        )
+        extra = {
+            "scoring": "sigmoid",
+            "n_group": d.get("n_group") or 1,
+            "topk_group": d.get("topk_group") or 1,
+            "routed_scaling_factor": d.get("routed_scaling_factor", 1.0),
+            "n_shared_experts": d.get("n_shared_experts") or 0,
+            "dense_layers": d.get("first_k_dense_replace", 0),
+        }
     else:
         if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
             raise CheckpointError(
@@ -384,6 +449,7 @@ def _moe_from_hf(d: dict, family: str, path) -> dict:
         "ffn_dim": ffn,
         "norm_topk_prob": norm,
         "aux_loss_weight": d.get("router_aux_loss_coef", 0.001),
+        **(extra if family == "deepseek_v3" else {}),
     }
 
 

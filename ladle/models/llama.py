@@ -122,12 +122,13 @@ class KVCache:
         self.max_len = max_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k, v (B, K, T, D) for `layer`; return all cached ones (B, K, length + T, D)."""
+        """Store this step's k, v (B, K, T, D) for `layer`; return all cached ones (B, K, length + T, D).
+        k and v may differ in heads and size (MLA caches its latent and its shared roped key)."""
         if self.k[layer] is None:
-            B, _, L, D = self.shape
-            shape = (B, k.shape[1], L, D)
-            self.k[layer] = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            self.v[layer] = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            B, _, L, _ = self.shape
+            kw = {"device": self.device, "dtype": self.dtype}
+            self.k[layer] = torch.zeros((B, k.shape[1], L, k.shape[3]), **kw)
+            self.v[layer] = torch.zeros((B, v.shape[1], L, v.shape[3]), **kw)
         start, end = self.length, self.length + k.shape[2]
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
@@ -206,10 +207,13 @@ def layer_window(cfg: ModelConfig, layer: int) -> int | None:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        from ladle.models.mla import MLA
+
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg, layer_window(cfg, layer))
+        self.self_attn = (MLA if cfg.mla else Attention)(cfg, layer_window(cfg, layer))
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MoE(cfg) if cfg.moe else MLP(cfg)
+        sparse = cfg.moe is not None and layer >= cfg.moe.dense_layers  # DeepSeek: the first k dense
+        self.mlp = MoE(cfg) if sparse else MLP(cfg)
         if cfg.post_norms:  # GLM-4-0414: each branch's output normalised before its residual add
             self.post_self_attn_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -516,19 +520,35 @@ def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False, active: 
     """
     D, V, F_, L = cfg.dim, cfg.vocab_size, cfg.ffn_dim, cfg.n_layers
     H, K, hd = cfg.n_heads, cfg.kv_heads, cfg.head_size
-    attn = D * H * hd + 2 * D * K * hd + H * hd * D  # q, k, v, o
+    if cfg.mla:  # q (low-rank or not), the latent and shared rope key, their expansion, o
+        a = cfg.mla
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        q = (
+            D * H * qk
+            if a.q_lora_rank is None
+            else D * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * H * qk
+        )
+        attn = q + D * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+        attn += a.kv_lora_rank * H * (a.qk_nope_head_dim + a.v_head_dim) + H * a.v_head_dim * D
+    else:
+        attn = D * H * hd + 2 * D * K * hd + H * hd * D  # q, k, v, o
     if cfg.qkv_bias:
         attn += H * hd + 2 * K * hd
     if cfg.qk_norm:
         attn += 2 * hd
+    dense = 3 * D * F_  # SwiGLU
+    n_sparse = 0
+    sparse = 0
     if cfg.moe:
         m = cfg.moe
-        mlp = D * m.n_experts + (m.top_k if active else m.n_experts) * 3 * D * m.ffn_dim  # router + experts
-    else:
-        mlp = 3 * D * F_  # SwiGLU
-    layer = attn + mlp + (4 if cfg.post_norms else 2) * D  # + two norms (four with post_norms)
+        n_sparse = L - m.dense_layers
+        sparse = (
+            D * m.n_experts + (m.top_k if active else m.n_experts) * 3 * D * m.ffn_dim
+        )  # router + experts
+        sparse += 3 * D * m.ffn_dim * m.n_shared_experts  # DeepSeek's always-on experts
+    norms = (4 if cfg.post_norms else 2) * D  # two norms a block (four with post_norms)
     embed, head = V * D, (D if cfg.head == "score" else V * D)
-    body = L * layer + D  # + final norm
+    body = L * (attn + norms) + (L - n_sparse) * dense + n_sparse * sparse + D  # + final norm
     if exclude_embeddings:
         return body + head
     return embed + body + (0 if cfg.tie_embeddings and cfg.head == "lm" else head)  # a score head: its own

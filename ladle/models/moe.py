@@ -68,6 +68,17 @@ class MoE(nn.Module):
         self.dispatch = m.dispatch
         self.gate = nn.Linear(cfg.dim, m.n_experts, bias=False)  # the router
         self.experts = Experts(m.n_experts, cfg.dim, m.ffn_dim)
+        self.sigmoid = m.scoring == "sigmoid"
+        self.bias_rate = m.bias_update_rate
+        self.per_sequence = m.aux_loss_scope == "sequence"
+        self.n_group, self.topk_group, self.scale = m.n_group, m.topk_group, m.routed_scaling_factor
+        if self.sigmoid:  # DeepSeek-V3: added to the scores for the choice only (aux-loss-free balancing)
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(m.n_experts))
+        if m.n_shared_experts:
+            from ladle.models.llama import MLP
+
+            shared = cfg.model_copy(update={"ffn_dim": m.ffn_dim * m.n_shared_experts})
+            self.shared_experts = MLP(shared)
 
     # Eager under train.compile, like attention: the routing is data-dependent (counts per expert),
     # which would break the graph and recompile as the counts change.
@@ -77,11 +88,14 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, dim)
         N, E, k = x.shape[0], self.n_experts, self.top_k
-        logits = self.gate(x)  # (N, E)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, k, dim=-1)  # (N, k) each
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.sigmoid:
+            logits, probs, weights, chosen = self._route_sigmoid(x)
+        else:
+            logits = self.gate(x)  # (N, E)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(probs, k, dim=-1)  # (N, k) each
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
 
         # Dropless dispatch: the N*k (token, expert) pairs sorted by expert.
         flat = chosen.reshape(-1)
@@ -101,15 +115,61 @@ class MoE(nn.Module):
         # Load-balancing loss as transformers' load_balancing_loss_func for one layer: E times the
         # dot product of each expert's share of the top-k picks (summing to k) and its mean router
         # probability; k when perfectly balanced. z-loss (ST-MoE): mean squared log-partition.
-        share = counts.to(torch.float32) / N
-        aux = E * torch.dot(share, probs.mean(dim=0))
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        if self.sigmoid:  # DeepSeek's balance loss reads the scores normalised per token
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        if self.per_sequence and len(shape) == 3:  # each sequence's balance, then their mean
+            B, T = shape[0], shape[1]
+            picks = torch.zeros(B, T * k, E, device=x.device).scatter_(2, chosen.view(B, T * k, 1), 1.0)
+            share_b = picks.sum(1) / T  # (B, E), summing to k
+            aux = E * (share_b * probs.view(B, T, E).mean(1)).sum(1).mean()
+        else:
+            share = counts.to(torch.float32) / N
+            aux = E * torch.dot(share, probs.mean(dim=0))
         z = torch.logsumexp(logits.float(), dim=-1).square().mean()
         return y.reshape(shape), (aux, z, counts.detach())
+
+    def _route_sigmoid(self, x: torch.Tensor):
+        """DeepSeek-V3's router, as transformers' `DeepseekV3TopkRouter`: fp32 sigmoid scores;
+        experts chosen on score + correction bias, within the `topk_group` best of `n_group`
+        groups (a group ranked by the sum of its two best); weights are the plain scores of the
+        chosen, renormalised (`norm_topk_prob`) and scaled (`routed_scaling_factor`)."""
+        N, E, k = x.shape[0], self.n_experts, self.top_k
+        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())  # (N, E)
+        scores = logits.sigmoid()
+        choice = scores + self.gate.e_score_correction_bias.float()
+        if self.n_group > 1:
+            groups = choice.view(N, self.n_group, E // self.n_group)
+            best = groups.topk(2, dim=-1)[0].sum(dim=-1)  # (N, n_group)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1)[1], 1.0)
+            choice = choice.masked_fill(
+                ~keep.bool().repeat_interleave(E // self.n_group, dim=1), float("-inf")
+            )
+        chosen = choice.topk(k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, scores, weights * self.scale, chosen
 
     def _grouped(self, x: torch.Tensor) -> bool:
         if self.dispatch != "auto":
             return self.dispatch == "grouped_mm"
         return grouped_mm_supported(x.device, x.dtype, self.experts.gate_proj.shape[1:])
+
+
+@torch.no_grad()
+def update_correction_bias(model: nn.Module, counts: torch.Tensor) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): each sigmoid-routed MoE layer's correction bias
+    moves by its `bias_rate` towards balance, up for an expert that got fewer tokens than the
+    layer's mean, down for one that got more. `counts` (MoE layers, E): the tokens each expert got
+    in the step's global batch, the same on every rank, so every rank moves its copy alike."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe, c in zip(layers, counts, strict=True):
+        if moe.sigmoid and moe.bias_rate:
+            c = c.to(torch.float32)
+            bias = moe.gate.e_score_correction_bias
+            bias += (moe.bias_rate * torch.sign(c.mean() - c)).to(bias.device, bias.dtype)
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, shape: tuple[int, int]) -> bool:
@@ -150,6 +210,8 @@ def pad_groups(
 
 def init_moe(moe: MoE, std: float, out_std: float) -> None:
     nn.init.normal_(moe.gate.weight, 0.0, std)
+    if moe.sigmoid:
+        moe.gate.e_score_correction_bias.zero_()
     nn.init.normal_(moe.experts.gate_proj, 0.0, std)
     nn.init.normal_(moe.experts.up_proj, 0.0, std)
     nn.init.normal_(moe.experts.down_proj, 0.0, out_std)

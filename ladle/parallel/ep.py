@@ -23,8 +23,9 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 def apply_ep(model: nn.Module, ep_mesh) -> None:
     for _, block in model.blocks():
-        experts = block.mlp.experts
-        distribute_module(experts, ep_mesh, _shard_experts, input_fn=_dispatch, output_fn=_combine)
+        experts = getattr(block.mlp, "experts", None)  # DeepSeek's first layers are dense
+        if experts is not None:
+            distribute_module(experts, ep_mesh, _shard_experts, input_fn=_dispatch, output_fn=_combine)
 
 
 def _shard_experts(name, module, mesh):

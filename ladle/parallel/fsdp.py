@@ -33,8 +33,8 @@ def apply_fsdp(
     if p.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for _, block in model.blocks():
-        if experts_mesh is not None:
-            experts = block.mlp.experts
+        experts = getattr(block.mlp, "experts", None)  # DeepSeek's first layers are dense
+        if experts_mesh is not None and experts is not None:
             fully_shard(
                 experts, reshard_after_forward=p.reshard_after_forward, **{**kwargs, "mesh": experts_mesh}
             )

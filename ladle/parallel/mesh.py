@@ -126,6 +126,13 @@ def check_layout(cfg: LadleConfig, world: int, roles: int = 1, why: str = "") ->
         if value % degree:
             errors.append(f"{name}={degree} does not divide model.{field}={value}")
 
+    if m.mla is not None:
+        for name in ("tp", "pp", "cp"):
+            if getattr(lay, name) > 1:
+                errors.append(
+                    f"{name} > 1 with model.mla (DeepSeek-V3's latent attention) is not supported yet; "
+                    "use dp_shard (FSDP) and ep"
+                )
     if lay.tp > 1:
         divides("tp", lay.tp, "n_heads", m.n_heads)
         divides("tp", lay.tp, "n_kv_heads", m.kv_heads)

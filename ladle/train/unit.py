@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ladle import device as dev
 from ladle import watchdog
 from ladle.config import LadleConfig
+from ladle.models.moe import update_correction_bias
 from ladle.parallel.clip import clip_grad_norm_, total_norm
 from ladle.parallel.mesh import Parallel
 from ladle.train.checkpoint import TRAINABLE
@@ -104,6 +105,7 @@ class TrainUnit:
                 outs.append(out)
         with watchdog.within("collective: all_reduce (loss and metrics)"):
             loss_sum, totals, mine = self._reduce(outs)
+        self.moe_counts = totals.get("moe_tokens")  # the global batch's tokens per expert (bias update)
         dev.synchronize(self.device)
         return Result(
             loss=loss_sum / max(total, 1),
@@ -134,6 +136,8 @@ class TrainUnit:
             params = [p for p in self.model.parameters() if p.requires_grad] if measure else []
             before = [p.detach().clone() for p in params]
             stepped = self.precision.step(self.optimizer)
+            if stepped and getattr(self, "moe_counts", None) is not None:
+                update_correction_bias(self.model, self.moe_counts)
             if measure:
                 out["update_ratio"] = self.update_ratio(before, params)
         else:
