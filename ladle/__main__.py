@@ -1,3 +1,11 @@
-from ladle.cli import main
+import os
+import sys
 
-raise SystemExit(main())
+from ladle import cli
+
+code = cli.main()
+if cli.launched:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+raise SystemExit(code)

@@ -81,29 +81,42 @@ def cmd_run(args) -> int:
 
 
 def _torchrun(args) -> int:
-    import subprocess
+    """torchrun's agent, in this process: it has torch imported already, so the workers start a
+    second or so sooner than under a `python -m torch.distributed.run` of its own. The agent
+    forwards a SIGTERM or SIGINT sent here to the workers."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+    argv = [
         f"--nproc-per-node={args.nproc}",
         f"--nnodes={args.nnodes}",
         f"--node-rank={args.node_rank}",
         f"--max-restarts={args.max_restarts}",
     ]
     if args.rdzv_endpoint:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
-        cmd += [f"--rdzv-id={args.rdzv_id}"] if args.rdzv_id else []
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+        argv += [f"--rdzv-id={args.rdzv_id}"] if args.rdzv_id else []
     else:
-        cmd += ["--standalone"]
-    cmd += ["-m", "ladle", "run", args.recipe, "--config", args.config, *args.overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        argv += ["--standalone"]
+    argv += ["-m", "ladle", "run", args.recipe, "--config", args.config, *args.overrides]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Each attempt's workers get a TCP store of their own. The store torchrun's agent shares with
     # them by default outlives an attempt, and the gloo addresses of the killed one left in it
     # made a restarted attempt connect to dead ranks (connectFullMesh: connection refused).
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return subprocess.call(cmd, env=env)
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    global launched
+    launched = True
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)  # torchrun's summary: each failed rank's exit code
+        return 1
+    return 0
+
+
+# Set once this process has run torchrun's agent: it has written nothing itself, so `python -m
+# ladle` ends it without the interpreter's teardown (most of a second with torch loaded).
+launched = False
 
 
 def cmd_plan(args) -> int:

@@ -43,6 +43,12 @@ SHAPE = dict(
 )
 
 
+YARN = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0,
+}  # fmt: skip
+
+
 def hf_model(**change):
     import transformers as tf
 
@@ -62,8 +68,14 @@ def hf_model(**change):
 
 @pytest.mark.parametrize(
     "change",
-    [{}, {"q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1}],
-    ids=["v3", "plain-q-rope-halves-no-groups"],
+    [
+        {},
+        {"q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1},
+        # V3's long context: YaRN frequencies, its attention factor on cos/sin (mscale over
+        # mscale_all_dim) and mscale_all_dim's softmax sharpening; positions past the original 8
+        {"rope_parameters": YARN},
+    ],
+    ids=["v3", "plain-q-rope-halves-no-groups", "yarn"],
 )
 def test_logits_and_export_equal_transformers(tmp_path, change):
     from transformers import AutoModelForCausalLM
@@ -157,9 +169,11 @@ def test_what_ladle_does_not_compute_is_refused():
     }
     with pytest.raises(CheckpointError, match="topk_method 'greedy'"):
         model_config_from_hf({**base, "topk_method": "greedy"}, "config.json")
-    with pytest.raises(CheckpointError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(
+        CheckpointError, match="rope type 'longrope' is not supported; supported: default, llama3, yarn"
+    ):
         model_config_from_hf(
-            {**base, "rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}}, "c"
+            {**base, "rope_parameters": {"rope_type": "longrope", "factor": 40.0, "rope_theta": 1e4}}, "c"
         )
 
 
@@ -194,6 +208,13 @@ def test_the_tiny_deepseek_config_trains(tiny_config, tmp_path):
     assert main(["run", "pretrain", "--config", str(cfg)]) == 0
     recs = [r for r in read_metrics(tiny_config["output_dir"]) if "loss" in r]
     assert recs[-1]["loss"] < recs[0]["loss"] and all(r["moe_imbalance"] >= 1 for r in recs)
+    # train.compile: the blocks compiled, latent attention and the MoE layer eager inside them
+    compiled = tmp_path / "compiled"
+    assert (
+        main(["run", "pretrain", "--config", str(cfg), f"output_dir={compiled}", "train.compile=true"]) == 0
+    )
+    for a, b in zip(recs, [r for r in read_metrics(compiled) if "loss" in r], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
 
 
 def _tiny_moe(**moe):
@@ -281,3 +302,74 @@ def test_the_bias_moves_in_training_and_is_checkpointed(tiny_config, tmp_path):
     bias = model.state_dict()["layers.1.mlp.gate.e_score_correction_bias"]
     steps = bias / 0.01
     assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 5 and bias.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        ({"tp": 3, "dp_shard": 1}, 3, r"tp=3 does not divide model\.n_heads=8"),
+        ({"tp": 2, "ep": 2, "dp_shard": 2}, 4, r"tp=2 with ep=2 is not supported yet"),
+        ({"cp": 2, "dp_shard": 1}, 2, r"cp > 1 with model\.mla .* is not supported yet"),
+    ],
+)
+def test_layouts_the_architecture_cannot_take_are_refused(tiny_config, parallel, world, message):
+    from ladle.config.load import build_config, read_yaml, resolve_config_path
+    from ladle.errors import ConfigError
+    from ladle.parallel.mesh import check_layout
+
+    tiny_config["model"] = read_yaml(resolve_config_path("tiny/pretrain-mla-moe"))["model"]
+    tiny_config["parallel"] = parallel
+    with pytest.raises(ConfigError, match=message):
+        check_layout(build_config(tiny_config), world)
+
+
+@pytest.mark.parametrize("scope", ["batch", "sequence"])
+def test_the_router_scores_in_fp32_under_bf16_autocast(scope):
+    # transformers' router casts to fp32, which autocast would undo: the scores, and so the
+    # choice of experts, must be the fp32 ones, and the balancing loss must not mix dtypes.
+    from ladle.config import ModelConfig
+    from ladle.models.moe import MoE
+
+    cfg = ModelConfig(
+        **{
+            "family": "deepseek_v3", "vocab_size": 97, "dim": 32, "n_layers": 2, "n_heads": 4,
+            "mla": {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8},
+            "moe": {"n_experts": 8, "top_k": 2, "ffn_dim": 16, "scoring": "sigmoid", "n_group": 4,
+                    "topk_group": 2, "aux_loss_scope": scope},
+        }
+    )  # fmt: skip
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 16, 32)
+    logits, *_, chosen = moe._route_sigmoid(x.reshape(-1, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf_logits, *_, bf_chosen = moe._route_sigmoid(x.reshape(-1, 32))
+        y, (aux, z, counts) = moe(x)
+    assert bf_logits.dtype == torch.float32 and torch.equal(bf_chosen, chosen)
+    (y.float().sum() + aux).backward()
+    assert aux.dtype == torch.float32 and moe.gate.weight.grad is not None
+
+
+def test_the_multi_token_prediction_layer_is_left_unread_with_a_warning(tmp_path):
+    # V3's checkpoint holds its MTP module as the block after the last (model.layers.61.*), which
+    # transformers does not load either: ladle loads the main model, says so, and still refuses
+    # an extra tensor that the config does not account for.
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_model()
+    hf.save_pretrained(tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(f)
+    mtp = {"model.layers.3.eh_proj.weight": torch.ones(32, 64), "model.layers.3.enorm.weight": torch.ones(32)}
+    save_file({**tensors, **mtp}, f, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors: .*model\.layers\.3\.e"):
+        load_hf(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.warns(UserWarning, match=r"multi-token prediction layer \(2 tensors, .*\) is not loaded"):
+        model, _ = load_hf(tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), hf(TOKENS).logits, atol=1e-5, rtol=1e-5)

@@ -37,10 +37,21 @@ def saved(tmp_path):
     return model, cfg, out
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_save_hf_loads_in_transformers(tmp_path, tied):
+YARN = RopeScaling(type="yarn", factor=4.0, original_max_seq_len=8, mscale=0.707, mscale_all_dim=1.0)
+
+
+@pytest.mark.parametrize(
+    "tied, scaling",
+    [
+        (False, RopeScaling(original_max_seq_len=16)),
+        (True, RopeScaling(original_max_seq_len=16)),
+        (False, YARN),
+    ],
+    ids=["llama3", "llama3-tied", "yarn"],
+)
+def test_save_hf_loads_in_transformers(tmp_path, tied, scaling):
     torch.manual_seed(0)
-    cfg = tiny(tie_embeddings=tied, rope_theta=500000.0, rope_scaling=RopeScaling(original_max_seq_len=16))
+    cfg = tiny(tie_embeddings=tied, rope_theta=500000.0, rope_scaling=scaling)
     model = build_model(cfg)
     out = save_hf(model.state_dict(), cfg, tmp_path / "export", bos_id=1, eos_id=2, pad_id=0)
     names = set(load_file(out / "model.safetensors"))
@@ -124,6 +135,8 @@ def test_config_round_trip_and_errors():
     old = {k: v for k, v in hf_config(cfg).items() if k != "rope_parameters"}
     old["rope_scaling"] = {**old["rope_scaling"], "type": old["rope_scaling"].pop("rope_type")}
     assert model_config_from_hf(old, "config.json") == cfg
+    yarn = cfg.model_copy(update={"rope_scaling": YARN})
+    assert model_config_from_hf(hf_config(yarn), "config.json") == yarn
 
     with pytest.raises(CheckpointError, match="qk_norm"):
         hf_config(tiny(qk_norm=True))
@@ -134,9 +147,9 @@ def test_config_round_trip_and_errors():
         CheckpointError, match=r"x/config.json: architecture .*GPT2LMHeadModel.*LlamaForCausalLM"
     ):
         model_config_from_hf(bad, "x/config.json")
-    bad = {**hf_config(cfg), "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}
+    bad = {**hf_config(cfg), "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}
     with pytest.raises(
-        CheckpointError, match=r"rope type 'yarn' is not supported; supported: default, llama3"
+        CheckpointError, match=r"rope type 'dynamic' is not supported; supported: default, llama3, yarn"
     ):
         model_config_from_hf(bad, "config.json")
 

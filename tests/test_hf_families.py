@@ -149,7 +149,10 @@ QWEN3_MOE = {
             {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
             "attention_bias",
         ),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "longrope", "factor": 4.0}},
+            "rope type 'longrope' is not supported",
+        ),
         (
             {**MIXTRAL, "router_jitter_noise": 0.01},
             r"router_jitter_noise 0.01 is not supported; supported: 0.0",

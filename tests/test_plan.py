@@ -174,6 +174,7 @@ DIST = {
     "fsdp-op-ac": (2, {"parallel": {"dp_shard": 2}, "ac": {"mode": "selective", "selective": "op"}}),
     "tp-bf16": (2, {"parallel": {"tp": 2}, "precision": "bf16-mixed"}),
     "ep-moe": (2, {"parallel": {"dp_shard": 2, "ep": 2}, "model": MOE}),
+    "tp-moe": (2, {"parallel": {"tp": 2}, "model": MOE}),  # token parallel: routed experts whole
     "pp": (2, {"parallel": {"pp": 2}, "accum": 2}),
     "cp": (2, {"parallel": {"cp": 2}}),
     "tp-fsdp": (4, {"parallel": {"tp": 2, "dp_shard": 2}}),

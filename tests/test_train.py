@@ -475,6 +475,9 @@ def test_moe_init_from_keeps_the_runs_loss_weights(tiny_config, tmp_path, capsys
     assert shown["moe"] == {
         "n_experts": 4, "top_k": 2, "ffn_dim": 16, "norm_topk_prob": True,
         "aux_loss_weight": 0.01, "z_loss_weight": 0.1, "dispatch": "auto",
+        # Qwen3-MoE's softmax router: DeepSeek's fields keep their plain defaults
+        "scoring": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+        "n_shared_experts": 0, "dense_layers": 0, "bias_update_rate": 0.0, "aux_loss_scope": "batch",
     }  # fmt: skip
     model["moe"]["n_experts"] = 8
     with pytest.raises(ConfigError, match=r"model.moe.n_experts=8 \(config.json: 4\)"):

@@ -17,17 +17,26 @@ class Section(BaseModel):
 
 
 class RopeScaling(Section):
-    """Llama-3.1 frequency scaling of RoPE (HF `rope_scaling` with `rope_type: llama3`)."""
+    """Frequency scaling of RoPE, as HF's `rope_scaling` / `rope_parameters`: Llama-3.1's
+    (`type: llama3`: factor, low_freq_factor, high_freq_factor) or YaRN (`type: yarn`, DeepSeek-V3's
+    long context: factor, beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate);
+    `original_max_seq_len` is the pretraining context both scale from."""
 
-    type: Literal["llama3"] = "llama3"
+    type: Literal["llama3", "yarn"] = "llama3"
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     high_freq_factor: float = Field(4.0, gt=0)
     original_max_seq_len: int = Field(8192, ge=1)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = Field(None, gt=0)
+    truncate: bool = True
 
     @model_validator(mode="after")
     def _check_factors(self):
-        if self.high_freq_factor <= self.low_freq_factor:
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError("high_freq_factor must be greater than low_freq_factor")
         return self
 
@@ -171,7 +180,9 @@ class ModelConfig(Section):
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
     rope_scaling: RopeScaling | None = Field(
         None,
-        description="Llama-3.1 scaling: `{type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}`",
+        description="RoPE scaling: `{type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}` "
+        "(Llama 3.1) or `{type: yarn, factor, original_max_seq_len, beta_fast, beta_slow, mscale, mscale_all_dim}` "
+        "(DeepSeek-V3)",
     )
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
     tie_embeddings: bool = Field(False, description="output head shares the input embedding")
@@ -437,12 +448,12 @@ class ParallelConfig(Section):
     tp: int = Field(
         1,
         ge=1,
-        description="tensor parallel with sequence parallel and a vocab-sharded loss; divides `n_heads`, `n_kv_heads`, `ffn_dim`, `vocab_size` and `data.seq_len`; tied embeddings too (the head reuses the vocabulary-sharded embedding); not yet with MoE",
+        description="tensor parallel with sequence parallel and a vocab-sharded loss; divides `n_heads`, `n_kv_heads`, `ffn_dim`, `vocab_size` and `data.seq_len`; tied embeddings too (the head reuses the vocabulary-sharded embedding); an MoE layer runs token parallel (each rank routes its sequence shard through the whole experts; shared experts split); not yet with `ep`",
     )
     pp: int = Field(
         1,
         ge=1,
-        description="pipeline parallel ranks (`torch.distributed.pipelining`); the step's `train.grad_accum_steps` microbatches (at least `pp`) are the pipeline's; not with tied embeddings or MoE yet",
+        description="pipeline parallel ranks (`torch.distributed.pipelining`); the step's `train.grad_accum_steps` microbatches (at least `pp`) are the pipeline's (MoE: each stage adds its router losses); not with tied embeddings yet",
     )
     cp: int = Field(
         1,

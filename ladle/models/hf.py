@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import struct
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -85,7 +86,7 @@ FAMILY_OF = (
     | {arch.replace("ForCausalLM", SCORE_SUFFIX): fam for fam, (arch, _) in FAMILIES.items()}
     | {mt: fam for fam, (_, mt) in FAMILIES.items()}
 )
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -178,13 +179,18 @@ def hf_config(
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
         rope_scaling = {
-            "rope_type": "llama3",
+            "rope_type": s.type,
             "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_seq_len,
         }
-        rope_parameters = {**rope_scaling, "rope_theta": cfg.rope_theta}
+        if s.type == "llama3":
+            rope_scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
+        else:
+            rope_scaling.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate)
+            for k in ("mscale", "mscale_all_dim", "attention_factor"):
+                if getattr(s, k) is not None:
+                    rope_scaling[k] = getattr(s, k)
+        rope_parameters = {**rope_parameters, **rope_scaling}
     d = {"architectures": [arch], "model_type": model_type}
     d.update({hf: getattr(cfg, ours) for ours, hf in CONFIG_MAP.items()})
     d.update(
@@ -352,12 +358,28 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
             f"{path}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     rope_scaling = None
+    original = rope.get("original_max_position_embeddings", d.get("max_position_embeddings"))
     if rope_type == "llama3":
         rope_scaling = RopeScaling(
             factor=rope["factor"],
             low_freq_factor=rope["low_freq_factor"],
             high_freq_factor=rope["high_freq_factor"],
-            original_max_seq_len=rope.get("original_max_position_embeddings", d["max_position_embeddings"]),
+            original_max_seq_len=original,
+        )
+    elif rope_type == "yarn":
+        yarn = {
+            k: rope[k]
+            for k in ("mscale", "mscale_all_dim", "attention_factor", "truncate")
+            if rope.get(k) is not None
+        }
+        rope_scaling = RopeScaling(
+            type="yarn",
+            # DeepSeek-V3 may leave the factor out: the ratio of the two contexts (as transformers)
+            factor=rope.get("factor") or d["max_position_embeddings"] / original,
+            original_max_seq_len=original,
+            beta_fast=rope.get("beta_fast") or 32.0,
+            beta_slow=rope.get("beta_slow") or 1.0,
+            **yarn,
         )
 
     fields = {ours: d[hf] for ours, hf in CONFIG_MAP.items() if hf in d}
@@ -691,6 +713,23 @@ def _split_fused(header: dict) -> dict:
     return out
 
 
+def _mtp_layers(folder: Path, cfg: ModelConfig) -> re.Pattern:
+    """DeepSeek-V3's multi-token prediction layers (`num_nextn_predict_layers`, stored as the
+    blocks after the last one: model.layers.61.* in V3), which ladle does not train yet: a pattern
+    of their names. Their tensors are left unread with a warning, as transformers leaves them; the
+    model is the main one. Any other extra tensor is still refused by name."""
+    n = 0
+    if cfg.family == "deepseek_v3":
+        try:
+            n = int(json.loads((folder / "config.json").read_text()).get("num_nextn_predict_layers") or 0)
+        except (OSError, ValueError, TypeError):
+            n = 0
+    if n <= 0:
+        return re.compile(r"(?!x)x")  # matches nothing
+    layers = "|".join(str(cfg.n_layers + i) for i in range(n))
+    return re.compile(rf"model\.layers\.({layers})\.")
+
+
 class HFWeights:
     """The safetensors of a Hugging Face folder, checked against a model config once (headers
     only: every missing, unexpected or mis-shaped tensor is reported by HF name before anything is
@@ -708,11 +747,20 @@ class HFWeights:
         # A reward model started from a causal LM: its head is not in the files (it starts from
         # the seeded init, `holds`), and the LM head in them is not read.
         skip = "lm_head.weight" if cfg.tie_embeddings or cfg.head == "score" else None
+        mtp, unread = _mtp_layers(folder, cfg), []
         for f, (_, header) in self.headers.items():
             for hf_key, info in header.items():
-                if hf_key != skip:
+                if mtp.match(hf_key):
+                    unread.append(hf_key)
+                elif hf_key != skip:
                     found[hf_key] = tuple(info["shape"])
                     self.where[hf_key] = f
+        if unread:
+            warnings.warn(
+                f"{folder}: the multi-token prediction layer ({len(unread)} tensors, {mtp.pattern}) is not "
+                "loaded: ladle trains the main model only, as transformers loads it",
+                stacklevel=2,
+            )
         expected = {k: shape for k, (_, _, shape) in self.layout.items()}
         if cfg.head == "score" and "score.weight" not in found:
             del expected["score.weight"]

@@ -44,10 +44,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """(head_size/2,) fp32 inverse frequencies; Llama-3.1 scaling as transformers' `_compute_llama3_parameters`."""
+    """(head_size/2,) fp32 inverse frequencies; Llama-3.1 scaling as transformers'
+    `_compute_llama3_parameters`, YaRN as its `_compute_yarn_parameters`."""
     d = cfg.rotary_dim  # the head size, or the rotated part of it (partial rotary, GLM)
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     s = cfg.rope_scaling
+    if s is not None and s.type == "yarn":
+        return yarn_inv_freq(d, cfg.rope_theta, s, device)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     if s is None:
         return inv_freq
     low_freq_wavelen = s.original_max_seq_len / s.low_freq_factor
@@ -62,11 +65,49 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_inv_freq(d: int, base: float, s, device=None) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those that turn more than `beta_fast` times are kept, the
+    band between ramps linearly from one to the other."""
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns that often
+        return d * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, d, 2, device=device).float() / d)
+    ramp = ((torch.arange(d // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: divided by factor
+    return (1.0 / (s.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (1 for DeepSeek-V3, whose
+    mscale and mscale_all_dim are equal), 1 otherwise."""
+    s = cfg.rope_scaling
+    if s is None or s.type != "yarn":
+        return 1.0
+    if s.attention_factor is not None:
+        return s.attention_factor
+    if s.mscale and s.mscale_all_dim:
+        return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    return yarn_mscale(s.factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.attention_factor = rope_attention_factor(cfg)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in fp32 even under autocast: bf16 positions * freqs lose whole radians at long range.
@@ -76,7 +117,10 @@ class RotaryEmbedding(nn.Module):
                 emb = freqs.repeat_interleave(2, dim=-1)
             else:
                 emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, R), HF's rotate_half layout
-            return emb.cos().to(dtype), emb.sin().to(dtype)
+            cos, sin = emb.cos(), emb.sin()
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -213,7 +257,7 @@ class Block(nn.Module):
         self.self_attn = (MLA if cfg.mla else Attention)(cfg, layer_window(cfg, layer))
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         sparse = cfg.moe is not None and layer >= cfg.moe.dense_layers  # DeepSeek: the first k dense
-        self.mlp = MoE(cfg) if sparse else MLP(cfg)
+        self.mlp = MoE(cfg, layer - cfg.moe.dense_layers) if sparse else MLP(cfg)
         if cfg.post_norms:  # GLM-4-0414: each branch's output normalised before its residual add
             self.post_self_attn_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)

@@ -5,7 +5,8 @@ which `kv_b_proj` makes every head's key part without RoPE (`qk_nope_head_dim`) 
 (`v_head_dim`), plus one small key part with RoPE (`qk_rope_head_dim`) shared by all heads.
 Queries come through a low-rank projection of their own (`q_a_proj`, `q_a_layernorm`,
 `q_b_proj`; or one `q_proj` without `q_lora_rank`), each head a part without and a part with
-RoPE. Scores scale by 1 / sqrt(nope + rope), SDPA's default for that query size.
+RoPE. Scores scale by 1 / sqrt(nope + rope), SDPA's default for that query size, times YaRN's
+mscale^2 where the RoPE scaling says so (DeepSeek-V3's long context).
 
 The KV cache stores what the architecture needs: the normalised latent and the roped shared key
 part (kv_lora_rank + qk_rope_head_dim values a token and layer, against 2 x heads x head size
@@ -46,10 +47,21 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, cfg.norm_eps)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
+        # The key part every head shares passes here: tensor parallel sums its gradient over the
+        # ranks' heads at this point (ladle/parallel/tp.py); otherwise it does nothing.
+        self.shared_key = nn.Identity()
         self.low_rank_q = m.q_lora_rank is not None
+        # YaRN's mscale_all_dim sharpens the softmax by mscale^2 (transformers' yarn_apply_mscale),
+        # applied to the queries so that every attention path keeps SDPA's default scale.
+        s = cfg.rope_scaling
+        self.q_scale = 1.0
+        if s is not None and s.type == "yarn" and s.mscale_all_dim:
+            from ladle.models.llama import yarn_mscale
+
+            self.q_scale = yarn_mscale(s.factor, s.mscale_all_dim) ** 2
 
     def forward(self, x, cos, sin, mask=None, cache=None, layer: int = 0, at=None):
-        from ladle.models.llama import apply_rope, sdpa
+        from ladle.models.llama import apply_rope
 
         if at is not None:
             raise ValueError("MLA: `at` (one position per row) is not supported; score every position")
@@ -59,7 +71,7 @@ class MLA(nn.Module):
         q_pass, q_rot = q.split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # (B, 1, T, kv_rank)
-        k_rot = k_rot.unsqueeze(1)  # (B, 1, T, rope): one key part for every head
+        k_rot = self.shared_key(k_rot.unsqueeze(1))  # (B, 1, T, rope): one key part for every head
         q_rot = apply_rope(q_rot, cos, sin, self.interleaved)
         k_rot = apply_rope(k_rot, cos, sin, self.interleaved)
         if cache is not None:  # the compressed latent and the roped key part are what is cached
@@ -71,8 +83,16 @@ class MLA(nn.Module):
         H = k_pass.shape[1]
         k = torch.cat([k_pass, k_rot.expand(-1, H, -1, -1)], dim=-1)
         q = torch.cat([q_pass, q_rot], dim=-1)
-        if mask is not None and not isinstance(mask, torch.Tensor):  # PackedMask or the caller's
-            y = mask.attend(q, k, v)
-        else:
-            y = sdpa(q, k, v, mask)  # (B, H, T, v)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        y = self.attend(q, k, v, mask)  # (B, H, T, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q, k, v, mask) -> torch.Tensor:
+        """The attention itself, over the expanded heads; eager under train.compile, as
+        `Attention.attend` (ladle/parallel/compile.py)."""
+        from ladle.models.llama import sdpa
+
+        if mask is not None and not isinstance(mask, torch.Tensor):  # PackedMask or the caller's
+            return mask.attend(q, k, v)
+        return sdpa(q, k, v, mask)

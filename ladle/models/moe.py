@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from ladle.config.schema import ModelConfig, MoEConfig
 
@@ -52,7 +52,12 @@ class Experts(nn.Module):
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if isinstance(w, DTensor) else w
+    """A weight as this rank uses it. Expert parallel: its shard of the experts. Tensor parallel
+    (the weight replicated): each rank routes its own shard of the sequence, so its gradient is
+    this rank's part of a sum over the group (`Partial`), which DTensor completes."""
+    if not isinstance(w, DTensor):
+        return w
+    return w.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in w.placements])
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -61,9 +66,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ordinal: int = 0):
         super().__init__()
         m: MoEConfig = cfg.moe
+        self.ordinal = ordinal  # its place among the model's MoE layers (its row of the step's counts)
         self.n_experts, self.top_k, self.norm_topk_prob = m.n_experts, m.top_k, m.norm_topk_prob
         self.dispatch = m.dispatch
         self.gate = nn.Linear(cfg.dim, m.n_experts, bias=False)  # the router
@@ -91,7 +97,7 @@ class MoE(nn.Module):
         if self.sigmoid:
             logits, probs, weights, chosen = self._route_sigmoid(x)
         else:
-            logits = self.gate(x)  # (N, E)
+            logits = F.linear(x, _local(self.gate.weight))  # (N, E)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, chosen = torch.topk(probs, k, dim=-1)  # (N, k) each
             if self.norm_topk_prob:
@@ -136,7 +142,8 @@ class MoE(nn.Module):
         groups (a group ranked by the sum of its two best); weights are the plain scores of the
         chosen, renormalised (`norm_topk_prob`) and scaled (`routed_scaling_factor`)."""
         N, E, k = x.shape[0], self.n_experts, self.top_k
-        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())  # (N, E)
+        with torch.autocast(x.device.type, enabled=False):  # fp32 scores under bf16-mixed too
+            logits = F.linear(x.float(), _local(self.gate.weight).float())  # (N, E)
         scores = logits.sigmoid()
         choice = scores + self.gate.e_score_correction_bias.float()
         if self.n_group > 1:
@@ -162,12 +169,12 @@ class MoE(nn.Module):
 def update_correction_bias(model: nn.Module, counts: torch.Tensor) -> None:
     """Auxiliary-loss-free balancing (DeepSeek-V3): each sigmoid-routed MoE layer's correction bias
     moves by its `bias_rate` towards balance, up for an expert that got fewer tokens than the
-    layer's mean, down for one that got more. `counts` (MoE layers, E): the tokens each expert got
-    in the step's global batch, the same on every rank, so every rank moves its copy alike."""
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    for moe, c in zip(layers, counts, strict=True):
+    layer's mean, down for one that got more. `counts` (MoE layers of the whole model, E): the
+    tokens each expert got in the step's global batch, the same on every rank, so every rank moves
+    its copy alike; a pipeline stage holds some layers and reads their rows (`MoE.ordinal`)."""
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
         if moe.sigmoid and moe.bias_rate:
-            c = c.to(torch.float32)
+            c = counts[moe.ordinal].to(torch.float32)
             bias = moe.gate.e_score_correction_bias
             bias += (moe.bias_rate * torch.sign(c.mean() - c)).to(bias.device, bias.dtype)
 

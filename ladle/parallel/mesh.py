@@ -126,13 +126,11 @@ def check_layout(cfg: LadleConfig, world: int, roles: int = 1, why: str = "") ->
         if value % degree:
             errors.append(f"{name}={degree} does not divide model.{field}={value}")
 
-    if m.mla is not None:
-        for name in ("tp", "pp", "cp"):
-            if getattr(lay, name) > 1:
-                errors.append(
-                    f"{name} > 1 with model.mla (DeepSeek-V3's latent attention) is not supported yet; "
-                    "use dp_shard (FSDP) and ep"
-                )
+    if m.mla is not None and lay.cp > 1:
+        errors.append(
+            "cp > 1 with model.mla (DeepSeek-V3's latent attention) is not supported yet; "
+            "use dp_shard (FSDP), tp, pp and ep"
+        )
     if lay.tp > 1:
         divides("tp", lay.tp, "n_heads", m.n_heads)
         divides("tp", lay.tp, "n_kv_heads", m.kv_heads)
@@ -141,8 +139,15 @@ def check_layout(cfg: LadleConfig, world: int, roles: int = 1, why: str = "") ->
         divides("tp", lay.tp, "vocab_size", m.vocab_size)
         if cfg.data.seq_len % lay.tp and lay.cp == 1:  # sequence parallel splits every sample's tokens
             errors.append(f"tp={lay.tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
-        if m.moe:
-            errors.append("tp > 1 on an MoE model is not supported yet; shard it with dp_shard")
+        if m.moe and m.moe.n_shared_experts:  # split like a dense MLP
+            divides(
+                "tp", lay.tp, "moe.ffn_dim x moe.n_shared_experts", m.moe.ffn_dim * m.moe.n_shared_experts
+            )
+        if m.moe and lay.ep > 1:
+            errors.append(
+                f"tp={lay.tp} with ep={lay.ep} is not supported yet (each TP rank routes its own tokens, "
+                "and expert parallelism would need their gradients summed over both); use one of them"
+            )
     if cfg.parallel.async_tp:
         if lay.tp == 1:
             errors.append("parallel.async_tp needs parallel.tp > 1")
@@ -185,8 +190,6 @@ def check_layout(cfg: LadleConfig, world: int, roles: int = 1, why: str = "") ->
             errors.append(
                 "pp > 1 with model.tie_embeddings=true is not supported (the head is on another stage)"
             )
-        if m.moe:
-            errors.append("pp > 1 on an MoE model is not supported yet (router losses of every stage)")
         if cfg.precision.mode == "fp16-mixed":
             errors.append(
                 "pp > 1 with precision.mode=fp16-mixed is not supported (the schedule's backward is not loss-scaled); use bf16-mixed"

@@ -97,26 +97,30 @@ def block(cfg: ModelConfig, m: Micro) -> dict[str, int]:
         if m.autocast:
             attn += n * K * hd * a // 2  # RoPE's fp32 k cast for each call: the first half twice
     out["attention"] = attn
-    mlp = _norm(m, n_sp, D, r) + n * D * h_bytes
-    if cfg.moe:
-        mlp += moe(cfg, m)
+    mlp = _norm(m, n_sp, D, r)
+    if cfg.moe:  # token parallel under TP: the layer sees this rank's sequence shard
+        mlp += n_sp * D * h_bytes + moe(cfg, m)
     else:
-        mlp += 4 * n * (cfg.ffn_dim // m.tp) * a  # gate, up, silu(gate), their product
+        mlp += n * D * h_bytes + 4 * n * (cfg.ffn_dim // m.tp) * a  # gate, up, silu(gate), their product
     out["mlp"] = mlp
     return out
 
 
 def moe(cfg: ModelConfig, m: Micro) -> int:
-    """The router and the experts of one MoE block (no TP: refused for MoE)."""
+    """The router and the experts of one MoE block, on this rank's tokens (its sequence shard
+    under TP), and the shared experts (split by TP over the gathered tokens)."""
     e, k, F = cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.ffn_dim
-    n, a, D = m.tokens, m.compute, cfg.dim
+    n, a, D = m.sp_tokens, m.compute, cfg.dim
+    shared = 0
+    if cfg.moe.n_shared_experts:  # the gathered rows, then gate, up, silu, product
+        shared = (m.tokens * D + 4 * m.tokens * (F * cfg.moe.n_shared_experts // m.tp)) * a
     router = 2 * n * e * FP32 + n * FP32  # softmax; z-loss's fp32 logits and log-sum-exp
     router += n * k * I64 + (n * k * FP32 + n * FP32 if cfg.moe.norm_topk_prob else 0)  # top-k
     pairs = n * k
     experts = pairs * I64 + pairs * D * a  # each pair's token, its gathered row
     experts += 4 * pairs * F * a  # gate, up, silu, product per pair
     experts += pairs * I64 + pairs * a + 2 * pairs * D * a  # order, weights, output rows, weighted
-    return router + experts
+    return router + experts + shared
 
 
 def model(cfg: ModelConfig, m: Micro, first: bool = True, last: bool = True) -> dict[str, int]:

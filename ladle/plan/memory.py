@@ -2,8 +2,9 @@
 
 Counted tensor by tensor on a meta-device copy of the model (with its adapters), each split the
 way ladle lays it out: tensor parallel by the plan of ladle/parallel/tp.py (q/k/v, gate/up and
-the head by output rows, o/down by input columns, the embedding by vocabulary rows; norms and the
-router whole), experts over `ep` ranks, then FSDP2's dim-0 shard over `dp_shard x cp` ranks
+the head by output rows, o/down by input columns, the embedding by vocabulary rows; norms, the
+router and the routed experts whole, latent attention's q_b/kv_b by rows and its low-rank q_a/kv_a
+whole), experts over `ep` ranks, then FSDP2's dim-0 shard over `dp_shard x cp` ranks
 (`dp_shard / ep` for experts), padded to equal shards. A pipeline rank holds its stages' blocks,
 the first stage also the embedding, the last the final norm and head. The worst rank is what
 must fit. Checked exactly against `ladle.plan.measure.state_bytes` of real runs.
@@ -24,7 +25,7 @@ import torch
 from ladle.config.schema import LoRAConfig, ModelConfig
 from ladle.parallel.mesh import Layout
 
-COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "q_b_proj", "kv_b_proj")
 ROWWISE = ("o_proj", "down_proj")
 NF4_BLOCK, NF4_GROUP = 64, 256
 
@@ -79,7 +80,7 @@ def _tensors(model_json: str, trained: bool, lora_json: str | None) -> list[Tens
 
 def local_shape(t: Tensor, lay: Layout) -> tuple[int, ...]:
     shape = list(t.shape)
-    if lay.tp > 1 and ".lora_" not in t.name:
+    if lay.tp > 1 and ".lora_" not in t.name and not t.expert:  # routed experts: token parallel
         if t.module in COLWISE or (t.module == "embed_tokens"):
             shape[0] //= lay.tp
         elif t.module in ROWWISE and len(shape) == 2:

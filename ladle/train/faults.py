@@ -3,8 +3,9 @@ stops naming the cause. Two ways in: the config's `faults.*` switches (`Drill`, 
 `faults.enabled`), and for kills from outside a config the environment:
 
     LADLE_FAULT=kill:STEP[:RANK]       SIGKILL once step STEP is done
-    LADLE_FAULT=kill-node:STEP[:RANK]  the same, with this node's launcher (torchrun's agent and the
-                                       `ladle run` that started it): the node is lost
+    LADLE_FAULT=kill-node:STEP[:RANK]  the same, with this node's launcher (the `ladle run` that runs
+                                       torchrun's agent, or a torchrun and a `ladle run` above it):
+                                       the node is lost
     LADLE_FAULT=kill-save:STEP[:RANK]  SIGKILL between the files of step STEP's checkpoint
 
 RANK: only that global rank (default: every process that has the variable, e.g. one node's).
@@ -52,13 +53,9 @@ def at(point: str, step: int) -> None:
         return
     print(f"LADLE_FAULT: {kind} at step {step} on rank {dist.rank()}", flush=True)
     if kind == "kill-node":  # only processes that are what a node runs: ladle run, torchrun
-        agent = os.getppid()
-        launcher = _parent_of(agent)
-        for pid, what in (
-            (launcher, r"(-m ladle|/ladle) run "),
-            (agent, r"torch\.distributed\.run|torchrun"),
-        ):
-            if pid and re.search(what, _cmdline(pid)):
+        agent = os.getppid()  # `ladle run` runs torchrun's agent itself; a plain torchrun may too
+        for pid in (_parent_of(agent), agent):
+            if pid and re.search(r"(-m ladle|/ladle) run |torch\.distributed\.run|torchrun", _cmdline(pid)):
                 os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 

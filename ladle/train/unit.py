@@ -85,8 +85,9 @@ class TrainUnit:
             watchdog.phase("forward and backward (pipeline schedule)")
             with par.loss_context(), self.precision.autocast():
                 outs = self.pipeline.run(micro, loss, scale)
+            router = self.pipeline.router_metrics()  # an MoE model's: each stage has its layers'
         else:
-            outs = []
+            outs, router = [], {}
             for i, b in enumerate(micro):
                 # A data-parallel wrapper all-reduces gradients on the last microbatch only.
                 sync = i == len(micro) - 1 or not hasattr(self.model, "no_sync")
@@ -104,7 +105,7 @@ class TrainUnit:
                 out.sum = out.sum.detach()  # the graph is spent: keep the value only
                 outs.append(out)
         with watchdog.within("collective: all_reduce (loss and metrics)"):
-            loss_sum, totals, mine = self._reduce(outs)
+            loss_sum, totals, mine = self._reduce(outs, router)
         self.moe_counts = totals.get("moe_tokens")  # the global batch's tokens per expert (bias update)
         dev.synchronize(self.device)
         return Result(
@@ -194,19 +195,24 @@ class TrainUnit:
             return None
         return loss_sum / total, total, loss.summarize(totals, total, n * self.parallel.loss_size)
 
-    def _reduce(self, outs: list[LossOut]) -> tuple[float, dict, float | None]:
+    def _reduce(self, outs: list[LossOut], shares: dict | None = None) -> tuple[float, dict, float | None]:
         """The loss sum and metric sums of the microbatches, summed over the ranks of the batch
         (and the pipeline stages: only the last has them), in one all-reduce; a metric named
-        `*_max` (non-negative) is a maximum instead, in a second all-reduce. Also this rank's own
-        loss sum (None without outputs), for the report of a bad step."""
+        `*_max` (non-negative) is a maximum instead, in a second all-reduce. `shares`: metric sums
+        every pipeline stage holds a share of (an MoE model's router statistics). Also this rank's
+        own loss sum (None without outputs), for the report of a bad step."""
         shapes = {k: v.shape for k, v in outs[0].metrics.items()} if outs else {}
         if self.pipeline is not None:
             shapes = self._pipeline_shapes(shapes)
+        shares = shares or {}
+        shapes = {**shapes, **{k: v.shape for k, v in shares.items()}}
         sums = {k: v for k, v in shapes.items() if not k.endswith("_max")}
         maxes = {k: v for k, v in shapes.items() if k.endswith("_max")}
         f64 = {"device": self.device, "dtype": torch.float64}
 
         def mine(k: str, combine) -> torch.Tensor:  # zeros on a stage without the loss
+            if k in shares:
+                return shares[k].to(**f64).flatten()
             if not outs:
                 return torch.zeros(math.prod(shapes[k]), **f64)
             return combine(torch.stack([o.metrics[k].double().flatten() for o in outs]))
