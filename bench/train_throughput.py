@@ -100,7 +100,8 @@ def hf_bench30m(head: str = "LlamaForCausalLM", **extra):
     return model
 
 
-def hf_run(data: Path, steps: int, warmup: int, precision: str, out: Path) -> dict:
+def hf_run(data: Path, steps: int, warmup: int, precision: str, out: Path, model=None) -> dict:
+    """The Trainer on `model` (default: bench-30m as LlamaForCausalLM), seq 512, micro-batch 8."""
     from torch.utils.data import Dataset
 
     from ladle.data.loader import PackedSamples
@@ -117,7 +118,7 @@ def hf_run(data: Path, steps: int, warmup: int, precision: str, out: Path) -> di
             return {"input_ids": torch.from_numpy(s["tokens"]), "labels": torch.from_numpy(s["targets"])}
 
     step_s = hf_timed_train(
-        hf_bench30m(),
+        model if model is not None else hf_bench30m(),
         Packed(),
         out,
         steps=steps,
