@@ -130,6 +130,7 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises plain Exception on a bad file
             raise DataError(f"cannot load tokenizer {file}: {e}") from e
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         config = _read_config(self.path / "tokenizer_config.json")
         self.bos_id = self._special_id(config, "bos")
         self.eos_id = self._special_id(config, "eos")

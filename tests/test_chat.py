@@ -24,6 +24,32 @@ TOOLS = (
     "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}"
     "{% else %}{{ m.content | tojson }}{% endif %}\n{% endfor %}"
 )
+# GLM-4's templates as their tokenizer_config.json files have them (glm-4-9b-chat-hf; GLM-4-0414),
+# transcribed with the prose of the tool descriptions shortened: the constructs are all there
+# (a role name spliced into the marker, an undefined `metadata`, `tools` inside a message,
+# `tojson(indent=4)`, `dict.get`, a filtered loop).
+GLM4 = (
+    "[gMASK]<sop>{% for item in messages %}{% if item['tools'] is defined %}<|system|>\n"
+    "You are ChatGLM.\n\n# Tools{% set tools = item['tools'] %}{% for tool in tools %}"
+    "{% if tool['type'] == 'function' %}\n\n## {{ tool['function']['name'] }}\n\n"
+    "{{ tool['function'] | tojson(indent=4) }}\nCall it with JSON arguments."
+    "{% elif tool['type'] == 'python' %}\n\n## python\n\nRuns in a Jupyter notebook.{% endif %}"
+    "{% endfor %}{% endif %}{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] }}\n"
+    "{{ item['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+GLM4_0414 = (
+    "[gMASK]<sop>{%- if tools -%}<|system|>\n# Tools\n{% for tool in tools %}"
+    '{%- set function = tool.function if tool.get("function") else tool %}\n\n## {{ function.name }}\n\n'
+    "{{ function | tojson(indent=4, ensure_ascii=False) }}\nCall it with JSON arguments.{%- endfor %}"
+    "{%- endif -%}{%- for msg in messages %}{%- if msg.role == 'system' %}<|system|>\n{{ msg.content }}"
+    "{%- endif %}{%- endfor %}{%- for message in messages if message.role != 'system' %}"
+    "{%- set role = message['role'] %}{%- set content = message['content'] %}"
+    '{%- set meta = message.get("metadata", "") %}{%- if role == \'user\' %}<|user|>\n{{ content }}'
+    "{%- elif role == 'assistant' and not meta %}<|assistant|>\n{{ content }}"
+    "{%- elif role == 'assistant' and meta %}<|assistant|>{{ meta }} \n{{ content }}"
+    "{%- elif role == 'observation' %}<|observation|>\n{{ content }}{%- endif %}{%- endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 SPECIAL = [
     "<|bos|>",
     "<|eos|>",
@@ -85,6 +111,35 @@ def test_ids_equal_transformers_apply_chat_template(folder, template, gen):
     assert ours.apply_chat_template(chat, add_generation_prompt=gen) == list(ids)
     if template is CHATML:  # the chat markers are single special tokens
         assert ours.token_to_id("<|im_start|>") in ours.apply_chat_template(chat)
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "add", "description": "Summe «zweier» Zahlen", "parameters": {"type": "object"}},
+}
+
+
+@pytest.mark.parametrize("template", [GLM4, GLM4_0414], ids=["glm-4", "glm-4-0414"])
+@pytest.mark.parametrize("tools", [False, True])
+def test_glm4_templates_render_as_transformers(folder, template, tools):
+    # GLM-4 puts the tools in a message of their own; GLM-4-0414 takes them as `tools=`.
+    from transformers import AutoTokenizer
+
+    _write_config(folder, template)
+    chat = [{"role": "system", "content": "Be brief."}] + [m for m in CHAT if m["role"] != "tool"]
+    chat[2] = {**chat[2], "metadata": "add"} if template is GLM4_0414 else chat[2]
+    kw = {}
+    if tools and template is GLM4:
+        chat = [{"role": "system", "content": "", "tools": [TOOL, {"type": "python"}]}, *chat]
+    elif tools:
+        kw = {"tools": [TOOL]}
+    hf = AutoTokenizer.from_pretrained(folder)
+    ours = load_tokenizer(folder)
+    for gen in (False, True):
+        text = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen, **kw)
+        assert ours.chat_template.render(chat, add_generation_prompt=gen, **kw) == text
+    assert text.startswith("[gMASK]<sop>") and text.endswith("<|assistant|>")
+    assert ("## add" in text) == tools and "<|user|>\n  Write a function" in text
 
 
 def test_template_errors_and_the_sandbox(folder):

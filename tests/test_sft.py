@@ -77,6 +77,30 @@ def test_trained_tokens_are_exactly_the_assistant_turns(chat_tokenizer, template
     assert ChatEncoder(tok, template, "all").encode(CHAT)[1].all()
 
 
+def test_a_turn_the_template_does_not_close_is_trained_with_its_stop(chat_tokenizer, tmp_path):
+    # GLM-4's template closes no assistant turn: the next role's marker (<|user|>, a special token
+    # and one of GLM's stop tokens) is trained with the turn, and the chat's last turn gets an
+    # appended end of text, so the finetuned model learns to stop.
+    from test_chat import GLM4
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(chat_tokenizer / "tokenizer.json"))
+    raw.add_special_tokens(["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>"])
+    folder = tmp_path / "glm"
+    folder.mkdir()
+    raw.save(str(folder / "tokenizer.json"))
+    cfg = {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>", "chat_template": GLM4}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(folder)
+    chat = [m for m in CHAT if m["role"] != "tool"][:5]
+    ids, mask = ChatEncoder(tok).encode(chat)
+    cuts = np.flatnonzero(np.diff(mask.astype(int))) + 1
+    runs = zip(np.split(ids, cuts), np.split(mask, cuts), strict=True)
+    trained = [tok.decode(p.tolist(), skip_special_tokens=False) for p, m in runs if m[0]]
+    assert trained == ["\n5<|user|>", "\nIt is 17, I think.<|endoftext|>"]
+    assert ids[:-1].tolist() == tok.apply_chat_template(chat) and ids[-1] == tok.eos_id
+
+
 @pytest.mark.parametrize("template", ["chatml", "qwen", "llama3"])
 def test_builtin_templates_tokenize_as_transformers(chat_tokenizer, template, tmp_path):
     from transformers import AutoTokenizer

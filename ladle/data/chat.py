@@ -44,8 +44,9 @@ MARKERS = {
     "qwen": ("<|im_start|>", "<|im_end|>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
 }
-# Tokens that end an assistant turn in the templates above (generation stops at them too).
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>")
+# Tokens that end an assistant turn in the templates above (generation stops at them too), and
+# GLM-4's next-turn markers, which end its assistant's turns (its generation config stops there).
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|user|>", "<|observation|>")
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 

@@ -207,8 +207,23 @@ class ChatEncoder:
             if self.mask == "last_turn":
                 spans = spans[-1:]
             starts = np.array([o[0] for o in offsets], dtype=np.int64)
+            eos = False
             for a, b in spans:
-                mask[(starts >= a) & (starts < b)] = True
+                turn = np.flatnonzero((starts >= a) & (starts < b))
+                mask[turn] = True
+                if not len(turn) or ids[turn[-1]] in self.tok.special_ids:  # <|im_end|>, <|eot_id|>
+                    continue
+                # The template ends the assistant's turn with no token of its own (GLM-4: the next
+                # role's marker ends it, and <|user|> is among its stop tokens): the model must
+                # still learn to stop. Train the special token that follows, or, where the chat
+                # ends with this turn, an end-of-text token appended to it.
+                nxt = turn[-1] + 1
+                if nxt < len(ids) and ids[nxt] in self.tok.special_ids:
+                    mask[nxt] = True
+                elif not text[b:].strip() and self.tok.eos_id is not None:
+                    eos = True
+            if eos:
+                ids, mask = [*ids, self.tok.eos_id], np.append(mask, True)
         return np.asarray(ids, dtype=np.int64), mask
 
 
