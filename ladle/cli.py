@@ -84,6 +84,7 @@ def _torchrun(args) -> int:
     """torchrun's agent, in this process: it has torch imported already, so the workers start a
     second or so sooner than under a `python -m torch.distributed.run` of its own. The agent
     forwards a SIGTERM or SIGINT sent here to the workers."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -111,6 +112,11 @@ def _torchrun(args) -> int:
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)  # torchrun's summary: each failed rank's exit code
         return 1
+    except SignalException as e:  # the agent passed the signal on to the workers, then stopped
+        print(
+            f"ladle run: {e.sigval.name} received; the workers were sent it and have ended", file=sys.stderr
+        )
+        return 128 + int(e.sigval)
     return 0
 
 

@@ -166,3 +166,36 @@ def test_restart_evidence(tmp_path, monkeypatch):
     assert restart_reason(tmp_path) == "job 77 (--rdzv-id) started again"
     (tmp_path / "run_card.json").write_text("{damaged")
     assert restart_reason(tmp_path) is None
+
+
+def test_a_sigterm_to_the_launcher_reaches_every_rank(tiny_config, tmp_path):
+    # A scheduler signals the process it started: `ladle run`, which runs torchrun's agent. The
+    # agent passes SIGTERM on, each rank finishes its step and saves, and the launcher exits 143.
+    import signal
+    import sys
+    import time
+
+    tiny_config["train"].update(max_steps=100_000, eval_every=0)
+    tiny_config["checkpoint"]["every"] = 0
+    cfg = write_cfg(tiny_config, tmp_path)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(cfg), "--nproc", "2"]
+    p = subprocess.Popen(
+        [*cmd, f"output_dir={out}", "parallel.dp_shard=2", "train.micro_batch_size=1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    deadline = time.time() + 120
+    for line in p.stdout:  # wait for the second step, then signal the launcher alone
+        seen.append(line)
+        if line.startswith("step      2 ") or time.time() > deadline:
+            break
+    p.send_signal(signal.SIGTERM)
+    rest, _ = p.communicate(timeout=120)
+    text = "".join(seen) + rest
+    assert p.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert "SIGTERM received; the workers were sent it and have ended" in text
+    step = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert step >= 2 and f"stopped at step {step} (SIGTERM); checkpoint saved" in text
