@@ -30,6 +30,14 @@ from ladle.train.optim import build_optimizer
 GiB = 2**30
 SHAPE = dict(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=512)
 MOE = {"family": "qwen3_moe", "moe": {"n_experts": 4, "top_k": 2, "ffn_dim": 64}}
+# DeepSeek-V3's shape: latent attention (v narrower than q/k), sigmoid routing in groups, a shared
+# expert, the first block dense
+DSV3 = {
+    "family": "deepseek_v3", "n_kv_heads": None, "rope_interleaved": True,
+    "mla": {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
+    "moe": {"n_experts": 4, "top_k": 2, "ffn_dim": 32, "scoring": "sigmoid", "n_group": 2, "topk_group": 1,
+            "n_shared_experts": 1, "dense_layers": 1},
+}  # fmt: skip
 
 
 # -- sizes -------------------------------------------------------------------------------------
@@ -107,6 +115,12 @@ CASES = [
     ({}, "none", "bf16"),
     ({"qk_norm": True}, "selective", "bf16"),
     (MOE, "none", "bf16"),
+    (DSV3, "none", "fp32"),
+    (DSV3, "full", "fp32"),
+    (DSV3, "op", "fp32"),
+    (DSV3, "selective", "fp32"),
+    (DSV3, "none", "bf16-mixed"),
+    (DSV3, "none", "bf16"),
 ]
 
 

@@ -90,9 +90,17 @@ class MLA(nn.Module):
 
     def attend(self, q, k, v, mask) -> torch.Tensor:
         """The attention itself, over the expanded heads; eager under train.compile, as
-        `Attention.attend` (ladle/parallel/compile.py)."""
+        `Attention.attend` (ladle/parallel/compile.py). Values narrower than the queries are
+        zero-padded to their width: SDPA's flash kernels take one head size for q, k and v (else
+        the CPU falls back to the math path, which keeps the (T, T) scores: twice the time in
+        fp32 at V3's proportions), and the padded output columns are zeros, sliced off."""
         from ladle.models.llama import sdpa
 
+        pad = q.shape[-1] - v.shape[-1]
+        if pad > 0:
+            v = torch.nn.functional.pad(v, (0, pad))
         if mask is not None and not isinstance(mask, torch.Tensor):  # PackedMask or the caller's
-            return mask.attend(q, k, v)
-        return sdpa(q, k, v, mask)
+            y = mask.attend(q, k, v)
+        else:
+            y = sdpa(q, k, v, mask)
+        return y[..., : y.shape[-1] - pad] if pad > 0 else y

@@ -73,16 +73,28 @@ def _norm_out(m: Micro, in_bytes: int) -> int:
     return FP32 if m.params32 else in_bytes  # a bf16 value times an fp32 weight promotes
 
 
-def block(cfg: ModelConfig, m: Micro) -> dict[str, int]:
-    """Bytes one transformer block saves for backward, by part."""
-    D, hd = cfg.dim, cfg.head_size
-    H, K = cfg.n_heads // m.tp, cfg.kv_heads // m.tp
+def block(cfg: ModelConfig, m: Micro, dense: bool = False) -> dict[str, int]:
+    """Bytes one transformer block saves for backward, by part; `dense`: one of DeepSeek's first
+    `moe.dense_layers` blocks, whose MLP is dense."""
+    D = cfg.dim
     n, n_sp, a, r = m.tokens, m.sp_tokens, m.compute, m.residual
     h_bytes = a if m.autocast else _norm_out(m, r)  # the normalised input the projections read
-    out = {}
-    # attention: input norm, its output (gathered whole under SP), q/k/v after RoPE, SDPA's output
-    # and log-sum-exp, the o_proj input
+    # attention: input norm, its output (gathered whole under SP), then the attention's own
     attn = _norm(m, n_sp, D, r) + n * D * h_bytes
+    attn += latent_attention(cfg, m) if cfg.mla is not None else attention(cfg, m)
+    mlp = _norm(m, n_sp, D, r)
+    if cfg.moe and not dense:  # token parallel under TP: the layer sees this rank's sequence shard
+        mlp += n_sp * D * h_bytes + moe(cfg, m)
+    else:
+        mlp += n * D * h_bytes + 4 * n * (cfg.ffn_dim // m.tp) * a  # gate, up, silu(gate), their product
+    return {"attention": attn, "mlp": mlp}
+
+
+def attention(cfg: ModelConfig, m: Micro) -> int:
+    """Grouped-query attention: q/k/v after RoPE, SDPA's output and log-sum-exp, o_proj's input."""
+    hd, n, a = cfg.head_size, m.tokens, m.compute
+    H, K = cfg.n_heads // m.tp, cfg.kv_heads // m.tp
+    attn = 0
     if cfg.qk_norm:  # q_norm / k_norm on the projections, per head
         attn += _norm(m, n * H, hd, a) + _norm(m, n * K, hd, a)
     T = m.seq // m.cp
@@ -96,14 +108,28 @@ def block(cfg: ModelConfig, m: Micro) -> dict[str, int]:
         attn += (T // 2) * T * a  # the causal mask of the second half, in the compute dtype
         if m.autocast:
             attn += n * K * hd * a // 2  # RoPE's fp32 k cast for each call: the first half twice
-    out["attention"] = attn
-    mlp = _norm(m, n_sp, D, r)
-    if cfg.moe:  # token parallel under TP: the layer sees this rank's sequence shard
-        mlp += n_sp * D * h_bytes + moe(cfg, m)
-    else:
-        mlp += n * D * h_bytes + 4 * n * (cfg.ffn_dim // m.tp) * a  # gate, up, silu(gate), their product
-    out["mlp"] = mlp
-    return out
+    return attn
+
+
+def latent_attention(cfg: ModelConfig, m: Micro) -> int:
+    """DeepSeek-V3's (ladle/models/mla.py): the low-rank projections' norms and outputs, q and k
+    joined from their parts, v zero-padded to their width, SDPA's output (that width) and
+    log-sum-exp, o_proj's input."""
+    ml, n, a = cfg.mla, m.tokens, m.compute
+    H = cfg.n_heads // m.tp
+    qk, rope, kv_rank = ml.qk_nope_head_dim + ml.qk_rope_head_dim, ml.qk_rope_head_dim, ml.kv_lora_rank
+    into = a if m.autocast else _norm_out(m, a)  # what a norm's output is when a matmul reads it
+    attn = 0
+    if ml.q_lora_rank:
+        attn += _norm(m, n, ml.q_lora_rank, a) + n * ml.q_lora_rank * into
+    attn += _norm(m, n, kv_rank, a) + n * rope * a  # the norm reads a slice of kv_a's output
+    attn += n * kv_rank * into
+    v = max(qk, ml.v_head_dim)  # padded (`MLA.attend`)
+    attn += 2 * n * H * qk * a + n * H * v * a + n * H * v * a + n * H * FP32
+    T = m.seq // m.cp
+    if m.cpu and T >= 128 and T % 2 == 0:  # `sdpa`'s two calls, as above
+        attn += n * H * ml.v_head_dim * a + (T // 2) * T * a
+    return attn
 
 
 def moe(cfg: ModelConfig, m: Micro) -> int:
@@ -142,17 +168,30 @@ def model(cfg: ModelConfig, m: Micro, first: bool = True, last: bool = True) -> 
     return out
 
 
-def checkpointed_block(cfg: ModelConfig, m: Micro, mode: str) -> int:
-    """What one checkpointed block keeps: its input, plus (selective op) matmul and attention outputs."""
+def checkpointed_block(cfg: ModelConfig, m: Micro, mode: str, dense: bool = False) -> int:
+    """What one checkpointed block keeps: its input, plus (selective op) matmul and attention
+    outputs; `dense` as in `block`."""
     keep = m.sp_tokens * cfg.dim * m.residual
     if mode != "op":
         return keep
     D, hd, n, a = cfg.dim, cfg.head_size, m.tokens, m.compute
     H, K = cfg.n_heads // m.tp, cfg.kv_heads // m.tp
-    keep += n * (H + 2 * K) * hd * a + n * H * hd * a + n * H * FP32 + n * D * a  # q, k, v; SDPA; o
-    if cfg.moe:
-        pairs = n * cfg.moe.top_k
-        keep += n * cfg.moe.n_experts * a + 3 * pairs * cfg.moe.ffn_dim * a  # router; gate, up, down
+    if cfg.mla is not None:  # q_a, q_b, kv_a, kv_b; SDPA (v's padded width); o
+        ml = cfg.mla
+        qk = ml.qk_nope_head_dim + ml.qk_rope_head_dim
+        keep += (
+            n * (ml.q_lora_rank or 0) * a + n * H * qk * a + n * (ml.kv_lora_rank + ml.qk_rope_head_dim) * a
+        )
+        keep += n * H * (ml.qk_nope_head_dim + ml.v_head_dim) * a
+        keep += n * H * max(qk, ml.v_head_dim) * a + n * H * FP32 + n * D * a
+    else:
+        keep += n * (H + 2 * K) * hd * a + n * H * hd * a + n * H * FP32 + n * D * a  # q, k, v; SDPA; o
+    if cfg.moe and not dense:
+        pairs, e = n * cfg.moe.top_k, cfg.moe.n_experts
+        router = e * (FP32 if cfg.moe.scoring == "sigmoid" else a)  # DeepSeek's scores in fp32
+        keep += m.sp_tokens * router + 3 * pairs * cfg.moe.ffn_dim * a  # router; gate, up, down
+        if cfg.moe.n_shared_experts:  # gate, up; down
+            keep += 2 * n * (cfg.moe.ffn_dim * cfg.moe.n_shared_experts // m.tp) * a + n * D * a
     else:
         keep += 2 * n * (cfg.ffn_dim // m.tp) * a + n * D * a  # gate, up; down
     return keep
@@ -167,14 +206,20 @@ def saved(cfg: ModelConfig, m: Micro, layers: int, ac: str = "none", every: int 
     """{part: bytes} one micro-batch saves for backward on a stage of `layers` blocks; `ac` is
     none, full, selective (every `every`-th block) or op. The part `recompute` is not saved: it is
     the block activations that live again while a checkpointed block runs its backward."""
-    one = block(cfg, m)
-    whole = sum(one.values())
-    kept = checkpointed_block(cfg, m, "op" if ac == "op" else "full")
+    whole = sum(block(cfg, m).values())
+    # DeepSeek's first `dense_layers` blocks have a dense MLP; they are on the first stage
+    dense = min(cfg.moe.dense_layers, layers) if cfg.moe and first else 0
+    dense_whole = sum(block(cfg, m, dense=True).values())
+    kind = "op" if ac == "op" else "full"
+    kept, dense_kept = checkpointed_block(cfg, m, kind), checkpointed_block(cfg, m, kind, dense=True)
     n_ckpt = {"none": 0, "full": layers, "op": layers}.get(ac, (layers + every - 1) // every)
+    # selective checkpointing takes every `every`-th block from the first
+    ckpt_dense = {"none": 0, "full": dense, "op": dense}.get(ac, (dense + every - 1) // every)
     out = dict(model(cfg, m, first, last))
     if layers - n_ckpt:
-        out["blocks"] = (layers - n_ckpt) * whole
+        plain_dense = dense - ckpt_dense
+        out["blocks"] = (layers - n_ckpt - plain_dense) * whole + plain_dense * dense_whole
     if n_ckpt:
-        out["checkpointed blocks"] = n_ckpt * kept
-        out["recompute"] = whole
+        out["checkpointed blocks"] = (n_ckpt - ckpt_dense) * kept + ckpt_dense * dense_kept
+        out["recompute"] = max(whole, dense_whole) if dense else whole
     return out
