@@ -373,3 +373,10 @@ def test_the_multi_token_prediction_layer_is_left_unread_with_a_warning(tmp_path
         model, _ = load_hf(tmp_path / "hf")
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), hf(TOKENS).logits, atol=1e-5, rtol=1e-5)
+    # a crafted count is only a bound on block indices (no work in its size); a non-number is none
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 10**12}))
+    with pytest.warns(UserWarning, match=r"multi-token prediction layer"):
+        load_hf(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": "many"}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors: .*model\.layers\.3\.e"):
+        load_hf(tmp_path / "hf")

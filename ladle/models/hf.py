@@ -713,10 +713,13 @@ def _split_fused(header: dict) -> dict:
     return out
 
 
-def _mtp_layers(folder: Path, cfg: ModelConfig) -> re.Pattern:
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _mtp_layers(folder: Path, cfg: ModelConfig) -> range:
     """DeepSeek-V3's multi-token prediction layers (`num_nextn_predict_layers`, stored as the
-    blocks after the last one: model.layers.61.* in V3), which ladle does not train yet: a pattern
-    of their names. Their tensors are left unread with a warning, as transformers leaves them; the
+    blocks after the last one: model.layers.61.* in V3), which ladle does not train yet: their
+    block indices. Their tensors are left unread with a warning, as transformers leaves them; the
     model is the main one. Any other extra tensor is still refused by name."""
     n = 0
     if cfg.family == "deepseek_v3":
@@ -724,10 +727,7 @@ def _mtp_layers(folder: Path, cfg: ModelConfig) -> re.Pattern:
             n = int(json.loads((folder / "config.json").read_text()).get("num_nextn_predict_layers") or 0)
         except (OSError, ValueError, TypeError):
             n = 0
-    if n <= 0:
-        return re.compile(r"(?!x)x")  # matches nothing
-    layers = "|".join(str(cfg.n_layers + i) for i in range(n))
-    return re.compile(rf"model\.layers\.({layers})\.")
+    return range(cfg.n_layers, cfg.n_layers + max(n, 0))
 
 
 class HFWeights:
@@ -750,15 +750,17 @@ class HFWeights:
         mtp, unread = _mtp_layers(folder, cfg), []
         for f, (_, header) in self.headers.items():
             for hf_key, info in header.items():
-                if mtp.match(hf_key):
+                layer = _LAYER.match(hf_key)
+                if layer and int(layer[1]) in mtp:
                     unread.append(hf_key)
                 elif hf_key != skip:
                     found[hf_key] = tuple(info["shape"])
                     self.where[hf_key] = f
         if unread:
             warnings.warn(
-                f"{folder}: the multi-token prediction layer ({len(unread)} tensors, {mtp.pattern}) is not "
-                "loaded: ladle trains the main model only, as transformers loads it",
+                f"{folder}: the multi-token prediction layer ({len(unread)} tensors, "
+                f"model.layers.{mtp.start}.* on) is not loaded: ladle trains the main model only, as "
+                "transformers loads it",
                 stacklevel=2,
             )
         expected = {k: shape for k, (_, _, shape) in self.layout.items()}
