@@ -380,3 +380,22 @@ def test_the_multi_token_prediction_layer_is_left_unread_with_a_warning(tmp_path
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": "many"}))
     with pytest.raises(CheckpointError, match=r"unexpected tensors: .*model\.layers\.3\.e"):
         load_hf(tmp_path / "hf")
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"factor": 0, "original_max_position_embeddings": 8},
+        {"original_max_position_embeddings": 0},  # the factor would be max / 0
+        {"factor": 4, "original_max_position_embeddings": "x"},
+    ],
+)
+def test_a_malformed_yarn_scaling_is_refused_by_name(rope):
+    import transformers as tf
+
+    d = tf.DeepseekV3Config(**SHAPE).to_dict()
+    d.update(rope_scaling=None, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **rope})
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: rope type 'yarn': .* is not a valid RoPE scaling"
+    ):
+        model_config_from_hf(d, "config.json")

@@ -357,30 +357,7 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
         raise CheckpointError(
             f"{path}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    rope_scaling = None
-    original = rope.get("original_max_position_embeddings", d.get("max_position_embeddings"))
-    if rope_type == "llama3":
-        rope_scaling = RopeScaling(
-            factor=rope["factor"],
-            low_freq_factor=rope["low_freq_factor"],
-            high_freq_factor=rope["high_freq_factor"],
-            original_max_seq_len=original,
-        )
-    elif rope_type == "yarn":
-        yarn = {
-            k: rope[k]
-            for k in ("mscale", "mscale_all_dim", "attention_factor", "truncate")
-            if rope.get(k) is not None
-        }
-        rope_scaling = RopeScaling(
-            type="yarn",
-            # DeepSeek-V3 may leave the factor out: the ratio of the two contexts (as transformers)
-            factor=rope.get("factor") or d["max_position_embeddings"] / original,
-            original_max_seq_len=original,
-            beta_fast=rope.get("beta_fast") or 32.0,
-            beta_slow=rope.get("beta_slow") or 1.0,
-            **yarn,
-        )
+    rope_scaling = _rope_scaling_from_hf(rope, rope_type, d, path)
 
     fields = {ours: d[hf] for ours, hf in CONFIG_MAP.items() if hf in d}
     fields.update(window_fields)
@@ -414,6 +391,43 @@ def model_config_from_hf(d: dict, path) -> ModelConfig:
         )
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         raise CheckpointError(f"{path}: config does not describe a valid model: {e}") from e
+
+
+def _rope_scaling_from_hf(rope: dict, rope_type: str, d: dict, path) -> RopeScaling | None:
+    """model.rope_scaling from a config's RoPE entries (llama3 or yarn; None for default). A
+    missing, mistyped or out-of-range entry is a CheckpointError naming them."""
+    if rope_type not in ("llama3", "yarn"):
+        return None
+    original = rope.get("original_max_position_embeddings", d.get("max_position_embeddings"))
+    try:
+        if rope_type == "llama3":
+            return RopeScaling(
+                factor=rope["factor"],
+                low_freq_factor=rope["low_freq_factor"],
+                high_freq_factor=rope["high_freq_factor"],
+                original_max_seq_len=original,
+            )
+        yarn = {
+            k: rope[k]
+            for k in ("mscale", "mscale_all_dim", "attention_factor", "truncate")
+            if rope.get(k) is not None
+        }
+        # DeepSeek-V3 may leave the factor out: the ratio of the two contexts (as transformers)
+        factor = rope.get("factor")
+        if factor is None:
+            factor = d["max_position_embeddings"] / original
+        return RopeScaling(
+            type="yarn",
+            factor=factor,
+            original_max_seq_len=original,
+            beta_fast=rope.get("beta_fast") or 32.0,
+            beta_slow=rope.get("beta_slow") or 1.0,
+            **yarn,
+        )
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # pydantic's errors are ValueErrors
+        raise CheckpointError(
+            f"{path}: rope type {rope_type!r}: {rope} is not a valid RoPE scaling ({e!r})"
+        ) from e
 
 
 def _deepseek_from_hf(d: dict, path) -> dict:
