@@ -24,10 +24,11 @@ from bench30m import BENCH_30M
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ladle import distributed as dist
+from ladle.checkpoint import safe_dcp
+from ladle.checkpoint.catalogue import step_dir_name, verify
+from ladle.checkpoint.dcp import Checkpointer
 from ladle.config import CheckpointConfig, ModelConfig
 from ladle.models.llama import build_model
-from ladle.train import safe_dcp
-from ladle.train.checkpoint import Checkpointer, step_dir_name, verify
 
 
 def timed(fn) -> float:

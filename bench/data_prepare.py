@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ladle.data.prepare import default_workers, prepare
 from ladle.data.sources import iter_files
-from ladle.tokenizer import train_tokenizer
+from ladle.data.tokenizer import train_tokenizer
 
 
 def corpus(limit_mb: float | None) -> list[Path]:

@@ -77,7 +77,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
     from train_throughput import EXCLUDE as TOK_EXCLUDE
 
     from ladle.data.preference import prepare_preference
-    from ladle.tokenizer import train_tokenizer
+    from ladle.data.tokenizer import train_tokenizer
 
     stdlib = sysconfig.get_paths()["stdlib"]
     tok = train_tokenizer(

@@ -1,4 +1,4 @@
-"""Generation throughput of `ladle.generation.generate` against `transformers`' `generate`.
+"""Generation throughput of `ladle.models.generation.generate` against `transformers`' `generate`.
 
 bench-30m with random weights (the same weights on both sides), batch 8, prompts of 64 random
 tokens, 128 new tokens, greedy, no EOS, in one invocation with alternating repeats. ladle runs
@@ -72,7 +72,7 @@ def decode_attention(cfg, batch: int, keys: int, dtype) -> dict:
     """Median ms of one layer's decode-step attention (one query row per head against `keys`
     cached keys, the cache's mask): SDPA's GQA call, as transformers makes it, and ladle's
     `sdpa`, which puts the query heads of a kv head in as rows of one head."""
-    from ladle.models.llama import sdpa
+    from ladle.models.layers import sdpa
 
     H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
     q = torch.randn(batch, H, 1, D, dtype=dtype)
@@ -95,7 +95,7 @@ def main() -> None:
     import transformers
 
     from ladle.config import ModelConfig
-    from ladle.generation import generate
+    from ladle.models.generation import generate
     from ladle.models.hf import hf_config, to_hf_name
     from ladle.models.llama import build_model
 

@@ -54,7 +54,7 @@ def prepare(work: Path, n: int) -> tuple[Path, Path, list[str]]:
     from train_throughput import EXCLUDE as TOK_EXCLUDE
 
     from ladle.data.prompts import PromptSplit, prepare_prompts
-    from ladle.tokenizer import load_tokenizer, train_tokenizer
+    from ladle.data.tokenizer import load_tokenizer, train_tokenizer
 
     tok = train_tokenizer(
         [sysconfig.get_paths()["stdlib"]],

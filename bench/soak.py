@@ -42,7 +42,7 @@ TINY = {
 
 def prepare(work: Path) -> tuple[Path, Path]:
     from ladle.data.prepare import prepare as prepare_data
-    from ladle.tokenizer import train_tokenizer
+    from ladle.data.tokenizer import train_tokenizer
 
     src = work / "src"
     src.mkdir()
@@ -115,9 +115,10 @@ def kill_tree(pid: int) -> None:
 
 
 def final_weights(out: Path, steps: int) -> dict:
+    from ladle.checkpoint.catalogue import step_dir_name
+    from ladle.checkpoint.dcp import load_model_weights
     from ladle.config import ModelConfig
     from ladle.models.llama import build_model
-    from ladle.train.checkpoint import load_model_weights, step_dir_name
 
     model = build_model(ModelConfig.model_validate(TINY))
     load_model_weights(out / "checkpoints" / step_dir_name(steps), model)

@@ -34,7 +34,7 @@ EXCLUDE = ["site-packages/*", "test/*", "idlelib/idle_test/*", "lib2to3/tests/*"
 
 def prepare_data(work: Path) -> tuple[Path, Path]:
     from ladle.data.prepare import prepare
-    from ladle.tokenizer import train_tokenizer
+    from ladle.data.tokenizer import train_tokenizer
 
     stdlib = sysconfig.get_paths()["stdlib"]
     tok = train_tokenizer([stdlib], vocab_size=8192, output=str(work / "tok"), glob="*.py", exclude=EXCLUDE)

@@ -2,9 +2,10 @@ import os
 import sys
 
 from ladle import cli
+from ladle.cli import run
 
 code = cli.main()
-if cli.launched:
+if run.launched:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)

@@ -129,7 +129,7 @@ def run_comm(args) -> int:
     """`ladle bench comm` in one process of the launched job (torchrun's, or one alone)."""
     from ladle import device as dev
     from ladle import distributed as dist
-    from ladle.plan import parse_size
+    from ladle.units import parse_size
 
     ops = args.ops or list(OPS)
     bad = [o for o in ops if o not in OPS]
@@ -161,34 +161,28 @@ def run_comm(args) -> int:
 
 # -- data ---------------------------------------------------------------------------------------
 def samples_of(recipe: str):
-    if recipe == "pretrain":
-        from ladle.recipes.pretrain import packed_samples
+    """The recipe's rows: a recipe whose batches are generated (rollouts) has no loader to time."""
+    from ladle.recipes import load
 
-        return packed_samples
-    if recipe == "sft":
-        from ladle.recipes.sft import sft_samples
-
-        return sft_samples
-    if recipe in ("dpo", "reward"):
-        from ladle.recipes.dpo import pair_samples
-
-        return pair_samples
-    raise ConfigError(
-        f"ladle bench data: recipe {recipe} makes its batches by generation (rollouts), not from a "
-        "loader; benchmark pretrain, sft, reward or dpo data"
-    )
+    r = load(recipe)
+    if r.rollouts:
+        raise ConfigError(
+            f"ladle bench data: recipe {recipe} makes its batches by generation (rollouts), not from a "
+            "loader; benchmark pretrain, sft, reward or dpo data"
+        )
+    return r
 
 
 def data(cfg, recipe: str, steps: int, warmup: int = 2) -> dict:
     """The recipe's train loader for rank 0 of one data-parallel rank, timed alone."""
     from ladle.data.loader import BatchLayout, PretrainLoader
-    from ladle.prelaunch import check
+    from ladle.launch.checks import check
 
-    samples = samples_of(recipe)  # before the checks: a recipe without a loader is said as such
-    found = check(cfg, recipe)
+    r = samples_of(recipe)  # before the checks: a recipe without a loader is said as such
+    found = check(cfg, r)
     cfg = found.cfg
     t = cfg.train
-    rows = samples(cfg, "train", found)
+    rows = r.samples(cfg, "train", found)
     layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, 0, 1)
     loader = PretrainLoader(
         rows, layout, seed=cfg.seed, device=torch.device("cpu"), prefetch=cfg.data.prefetch

@@ -29,7 +29,7 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(corpus, tmp_path_factory) -> Path:
-    from ladle.tokenizer import train_tokenizer
+    from ladle.data.tokenizer import train_tokenizer
 
     return train_tokenizer([str(corpus)], vocab_size=512, output=str(tmp_path_factory.mktemp("tok") / "tok"))
 

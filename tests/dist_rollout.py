@@ -10,7 +10,7 @@ from torch.distributed.fsdp import fully_shard
 
 from ladle.config.schema import ModelConfig
 from ladle.models.llama import build_model
-from ladle.train.rollout import Sampling, balance, rollout
+from ladle.rl.rollout import Sampling, balance, rollout
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from ladle.data.tokenizer import load_tokenizer
 from ladle.errors import DataError
-from ladle.tokenizer import load_tokenizer
 
 CHATML = (
     "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"

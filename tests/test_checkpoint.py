@@ -18,12 +18,13 @@ import yaml
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 import ladle
+from ladle.checkpoint import safe_dcp
+from ladle.checkpoint.catalogue import checkpoint_dirs, latest_checkpoint, verify
+from ladle.checkpoint.dcp import Checkpointer
 from ladle.cli import main
 from ladle.config.load import build_config
 from ladle.errors import CheckpointError
 from ladle.recipes import pretrain
-from ladle.train import safe_dcp
-from ladle.train.checkpoint import Checkpointer, checkpoint_dirs, latest_checkpoint, verify
 from ladle.train.metrics import read_metrics
 
 STEPS = 12

@@ -24,7 +24,7 @@ def trained_run(tiny_config, tmp_path):
 
 def test_export_hf_loads_in_transformers_with_the_same_logits(trained_run, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    from ladle.train.export import load_checkpoint_model
+    from ladle.ops.export import load_checkpoint_model
 
     out = tmp_path / "hf"
     assert main(["export", "hf", str(trained_run), str(out)]) == 0
@@ -35,7 +35,7 @@ def test_export_hf_loads_in_transformers_with_the_same_logits(trained_run, tmp_p
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    from ladle.tokenizer import load_tokenizer
+    from ladle.data.tokenizer import load_tokenizer
 
     assert tok("def f(x):")["input_ids"] == load_tokenizer(out).encode("def f(x):")
 
@@ -180,7 +180,7 @@ def test_eval_equals_transformers_and_the_runs_validation(trained_run, data_dir,
     assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(val, rel=1e-6)
 
     # Data tokenized by another tokenizer: exit 2, named.
-    from ladle.tokenizer import train_tokenizer
+    from ladle.data.tokenizer import train_tokenizer
 
     other = train_tokenizer([str(corpus)], vocab_size=300, output=str(tmp_path / "other"))
     assert main([*base, "--tokenizer", str(other)]) == 2
@@ -201,7 +201,7 @@ def test_generate_stops_at_a_stop_string(trained_run, capsys):
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(trained_run, corpus, tmp_path, capsys):
-    from ladle.tokenizer import train_tokenizer
+    from ladle.data.tokenizer import train_tokenizer
 
     big = train_tokenizer(
         [str(corpus)], vocab_size=900, output=str(tmp_path / "big")
@@ -212,9 +212,9 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(trained_run, corpus, t
 
 
 def test_generate_and_eval_load_on_device_in_dtype(trained_run, data_dir, capsys):
-    from ladle.generation import generate
-    from ladle.tokenizer import load_tokenizer
-    from ladle.train.export import load_checkpoint_model
+    from ladle.data.tokenizer import load_tokenizer
+    from ladle.models.generation import generate
+    from ladle.ops.export import load_checkpoint_model
 
     args = ["generate", "--model", str(trained_run), "--prompt", "def ", "--max-new-tokens", "8", "--json"]
     assert main([*args, "--device", "cpu", "--dtype", "bfloat16"]) == 0

@@ -97,7 +97,7 @@ def test_logits_and_export_equal_transformers(tmp_path, change):
 
 
 def test_greedy_generation_with_the_latent_cache_equals_transformers(tmp_path):
-    from ladle.generation import generate
+    from ladle.models.generation import generate
 
     hf = hf_model()
     hf.save_pretrained(tmp_path / "hf")
@@ -270,10 +270,10 @@ def test_the_bias_moves_in_training_and_is_checkpointed(tiny_config, tmp_path):
 
     import yaml
 
+    from ladle.checkpoint.dcp import load_model_weights
     from ladle.cli import main
     from ladle.config.load import build_config
     from ladle.models.llama import build_model
-    from ladle.train.checkpoint import load_model_weights
 
     tiny_config["model"] = {
         "family": "deepseek_v3",

@@ -21,9 +21,9 @@ from ladle.config.schema import DPOConfig, RewardConfig
 from ladle.data.pairs import PairSamples
 from ladle.data.preference import PreferenceSplit, prepare_preference
 from ladle.errors import DataError
+from ladle.preference.losses import DPO_METRICS, RewardLoss, dpo_losses
 from ladle.train.loss import IGNORE_INDEX, token_logps
 from ladle.train.metrics import read_metrics
-from ladle.train.preference import DPO_METRICS, RewardLoss, dpo_losses
 
 LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
 
@@ -206,7 +206,7 @@ def _pair_batch(B=5, T=40, vocab=64, seed=0):
 def test_length_buckets_score_pairs_as_one_padded_forward():
     from ladle.config.schema import ModelConfig
     from ladle.models.llama import build_model
-    from ladle.train.preference import buckets, pair_logps, pair_scores, side_logps
+    from ladle.preference.losses import buckets, pair_logps, pair_scores, side_logps
 
     batch = _pair_batch()
     ends = batch["ends"].flatten()
@@ -219,7 +219,7 @@ def test_length_buckets_score_pairs_as_one_padded_forward():
         assert int(ends[idx].max()) < keep
     assert groups[0][1] < 40 and groups[-1][1] == 40  # the short rows do not pay for the long one
     # tokens/s and MFU count the rows' tokens, not their padding to seq_len
-    from ladle.train.preference import PairLoss
+    from ladle.preference.losses import PairLoss
 
     assert PairLoss().tokens(batch) == int((ends + 1).sum()) < batch["tokens"].numel()
 
@@ -240,7 +240,7 @@ def test_length_buckets_score_pairs_as_one_padded_forward():
     # gives the scores and gradients of scoring every position and reading the last.
     torch.manual_seed(0)
     scorer = build_model(ModelConfig(**cfg, head="score", qk_norm=True, qkv_bias=True))
-    from ladle.train.preference import last_scores
+    from ladle.preference.losses import last_scores
 
     want = last_scores(scorer(batch["tokens"].flatten(0, 1)), batch["ends"])
     want.sum().backward()
@@ -391,7 +391,7 @@ def test_a_cache_of_other_data_is_refused(chat_tokenizer, pref_data, sft_model, 
 def test_lora_reference_is_the_base_with_adapters_off(chat_tokenizer, pref_data, sft_model, tmp_path):
     from ladle.config.schema import LoRAConfig
     from ladle.models.lora import adapters_disabled, apply_lora
-    from ladle.train.export import load_checkpoint_model
+    from ladle.ops.export import load_checkpoint_model
 
     base, _, _ = load_checkpoint_model(sft_model)
     adapted, _, _ = load_checkpoint_model(sft_model)
@@ -439,7 +439,7 @@ def test_reward_model_trains_evaluates_and_exports_for_transformers(
     assert main(["export", "hf", str(out), str(tmp_path / "hf")]) == 0
     from transformers import AutoModelForSequenceClassification
 
-    from ladle.train.export import load_checkpoint_model
+    from ladle.ops.export import load_checkpoint_model
 
     hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.num_labels == 1 and hf.config.pad_token_id is not None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ladle.config.schema import ModelConfig
-from ladle.generation import filter_logits, generate, sample_next
+from ladle.models.generation import filter_logits, generate, sample_next
 from ladle.models.llama import build_model
 
 PROMPTS = [[5, 17, 3, 88, 41, 2, 60], [9, 30, 72]]
@@ -122,7 +122,7 @@ def test_eos_stops_sequence():
 
 
 def test_stop_strings_and_truncation():
-    from ladle.generation import stop_strings, truncate_at_stop
+    from ladle.models.generation import stop_strings, truncate_at_stop
 
     decode = lambda ids: "".join(chr(97 + i) for i in ids)  # noqa: E731
     stop = stop_strings(decode, ["cd", "", "zz"])
@@ -139,7 +139,7 @@ def test_padding_each_step_to_a_multiple_changes_nothing():
     # tensor parallelism's sequence shards need a multiple of tp positions per forward: the
     # prompts padded to it and each decode step led by pads that no real token attends to give the
     # same tokens and log-probs as one position a step
-    from ladle.generation import sample
+    from ladle.models.generation import sample
 
     model = tiny_model()
     prompts = [[5, 9, 2], [7, 1, 3, 3, 8], [4]]

@@ -10,7 +10,8 @@ import torch
 from ladle.config.schema import ModelConfig
 from ladle.errors import CheckpointError
 from ladle.models.hf import hf_config, load_hf, save_hf
-from ladle.models.llama import apply_rope, count_params
+from ladle.models.layers import apply_rope
+from ladle.models.llama import count_params
 
 TOKENS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
 COMMON = dict(
@@ -75,7 +76,7 @@ def test_glm_logits_and_export_equal_transformers(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["glm", "glm4"])
 def test_glm_greedy_generation_equals_transformers(tmp_path, family):
-    from ladle.generation import generate
+    from ladle.models.generation import generate
 
     hf = hf_model(family)
     hf.save_pretrained(tmp_path / "hf")

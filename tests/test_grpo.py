@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ladle.train.grpo import PolicyLoss, advantages, aggregate, kl_penalty, policy_loss
-from ladle.train.ppo import entropy
+from ladle.rl.algorithms import advantages, aggregate, entropy, kl_penalty, policy_loss
+from ladle.rl.losses import PolicyLoss
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.5, 1.0, 1.0, 1.0, 0.0, 0.25, 0.75, 0.0]  # 3 prompts x 4 samples
 
@@ -156,7 +156,7 @@ def test_sums_and_counts_make_the_batch_loss_whatever_the_split():
 def test_policy_loss_on_rollouts_is_reinforce_at_the_first_step():
     from ladle.config.schema import ModelConfig
     from ladle.models.llama import build_model
-    from ladle.train.rollout import Sampling, response_logps, rollout, sequences
+    from ladle.rl.rollout import Sampling, response_logps, rollout, sequences
 
     torch.manual_seed(0)
     model = build_model(
@@ -415,13 +415,11 @@ def test_batch_wide_advantages_are_over_the_global_batch(kind, scale):
     # a step's rows in two microbatches (or on two ranks) get the advantages of the whole batch
     from types import SimpleNamespace
 
-    from ladle.recipes.grpo import Rollouts
+    from ladle.rl.advantages import group_advantages
 
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 1.0, 0.0, 3.0, 1.0, 1.0, 0.0, 0.25])
     batches = [{"scores": rewards[:4]}, {"scores": rewards[4:]}]
-    me = SimpleNamespace(
-        section=SimpleNamespace(num_samples=2, advantage=kind, scale=scale), device="cpu", group=None
-    )
-    Rollouts.advantages(me, batches)
+    section = SimpleNamespace(num_samples=2, advantage=kind, scale=scale)
+    group_advantages(batches, section, group=None)
     got = torch.cat([b["advantages"] for b in batches])
     assert torch.allclose(got, advantages(rewards, 2, kind, scale), atol=1e-6)

@@ -6,8 +6,7 @@ from safetensors.torch import load_file, save_file
 
 from ladle.config.schema import ModelConfig, RopeScaling
 from ladle.errors import CheckpointError
-from ladle.models import hf
-from ladle.models.hf import hf_config, load_hf, model_config_from_hf, save_hf
+from ladle.models.hf import hf_config, load_hf, model_config_from_hf, reader, save_hf
 from ladle.models.llama import build_model
 
 
@@ -212,11 +211,11 @@ def test_load_errors_sharded(tmp_path):
         load_hf(out)
 
 
-@pytest.mark.parametrize("chunk", [hf.READ_CHUNK, 99])
+@pytest.mark.parametrize("chunk", [reader.READ_CHUNK, 99])
 def test_load_converts_dtype_on_the_way_in(tmp_path, monkeypatch, chunk):
     # bf16 files into an fp32 model (through a temporary) and into a bf16 model (read in place,
     # also in odd-sized chunks across element boundaries, as a large tensor is read by threads).
-    monkeypatch.setattr(hf, "READ_CHUNK", chunk)
+    monkeypatch.setattr(reader, "READ_CHUNK", chunk)
     torch.manual_seed(0)
     cfg = tiny(n_kv_heads=2)
     model = build_model(cfg)
@@ -243,7 +242,7 @@ def test_load_names_a_file_that_shrinks_while_read(saved, monkeypatch):
     # The headers are checked against the file sizes first; a file cut short after that (another
     # process rewriting it) is still named rather than leaving weights half-filled unnoticed.
     _, _, out = saved
-    read_header = hf._read_header
+    read_header = reader._read_header
 
     def then_truncate(f):
         header = read_header(f)
@@ -251,6 +250,6 @@ def test_load_names_a_file_that_shrinks_while_read(saved, monkeypatch):
             fh.truncate(f.stat().st_size - 100)
         return header
 
-    monkeypatch.setattr(hf, "_read_header", then_truncate)
+    monkeypatch.setattr(reader, "_read_header", then_truncate)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: the file ends inside a tensor"):
         load_hf(out)

@@ -186,7 +186,7 @@ def test_export_refuses_a_family_that_cannot_express_the_model():
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"])
 def test_family_greedy_generation_matches_transformers(tmp_path, family):
-    from ladle.generation import generate
+    from ladle.models.generation import generate
 
     hf = _hf_model(family, tied=False)
     hf.save_pretrained(tmp_path / "hf")

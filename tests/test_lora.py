@@ -161,7 +161,7 @@ def test_peft_loads_the_exported_adapter_with_the_same_logits(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from ladle.train.export import load_checkpoint_model
+    from ladle.ops.export import load_checkpoint_model
 
     lora, tied = PEFT_CASES[case]
     base_hf = base_hf_tied if tied else base_hf
@@ -214,7 +214,7 @@ def test_adapter_checkpoints_are_small_and_resume_exactly(
         assert y == pytest.approx(x, abs=1e-6)
     # the checkpoint holds the adapters and their optimizer state, not the base
     ckpt = split / "run" / "checkpoints" / "step_00000006"
-    from ladle.train.safe_dcp import read_metadata
+    from ladle.checkpoint.safe_dcp import read_metadata
 
     keys = read_metadata(ckpt).state_dict_metadata
     model_keys = [k for k in keys if k.startswith("model.")]

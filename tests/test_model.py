@@ -239,7 +239,7 @@ def test_qk_norm_matches_transformers_qwen3():
 def test_rmsnorm_bitwise_equals_transformers(x_dtype, w_dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from ladle.models.llama import RMSNorm
+    from ladle.models.layers import RMSNorm
 
     torch.manual_seed(0)
     x = (torch.randn(4, 9, 48) * 3).to(x_dtype)
@@ -254,7 +254,8 @@ def test_sdpa_split_equals_one_call(masked):
     # T >= 128 on CPU takes the two-call path; it must equal one SDPA call, gradients included.
     import torch.nn.functional as F
 
-    from ladle.models.llama import attention_mask, sdpa
+    from ladle.models.layers import sdpa
+    from ladle.models.llama import attention_mask
 
     torch.manual_seed(0)
     T = 128
@@ -282,7 +283,7 @@ def test_decode_attention_groups_query_heads_as_rows(dtype, tol, monkeypatch):
     # a kv head in as rows of one head; the result is attention as defined, computed in fp64.
     import torch.nn.functional as F
 
-    from ladle.models.llama import sdpa
+    from ladle.models.layers import sdpa
 
     torch.manual_seed(0)
     B, H, K, D, S = 3, 8, 2, 16, 37

@@ -12,13 +12,13 @@ import torch
 import yaml
 from conftest import make_tiny_config
 
+from ladle.checkpoint.dcp import load_model_weights
 from ladle.cli import main
 from ladle.config.load import build_config
 from ladle.errors import ConfigError
 from ladle.models.llama import build_model
 from ladle.parallel.mesh import check_layout, resolve_layout
 from ladle.recipes import pretrain
-from ladle.train.checkpoint import load_model_weights
 from ladle.train.metrics import read_metrics
 
 STEPS = 10

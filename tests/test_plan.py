@@ -20,12 +20,13 @@ from ladle.models.lora import apply_lora
 from ladle.models.nf4 import quantize_linears
 from ladle.parallel.ac import _SAVE, apply_ac
 from ladle.parallel.mesh import Layout
-from ladle.plan import Target, estimate, layouts, parse_size, plan
+from ladle.plan import Target, estimate, layouts, plan
 from ladle.plan import activations as act
 from ladle.plan import memory as mem
 from ladle.plan.measure import SavedTensors, state_bytes
 from ladle.train.loss import cross_entropy_sum
 from ladle.train.optim import build_optimizer
+from ladle.units import parse_size
 
 GiB = 2**30
 SHAPE = dict(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=160, max_seq_len=512)

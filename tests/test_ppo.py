@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from ladle.train.ppo import (
+from ladle.rl.algorithms import (
     dual_clip_loss,
     entropy,
     explained_variance,
@@ -117,7 +117,7 @@ def test_gae_and_token_rewards_after_a_prompt_equal_the_responses_alone():
 
 
 def test_value_loss_object_sums_and_explained_variance():
-    from ladle.train.ppo import ValueLoss
+    from ladle.rl.losses import ValueLoss
 
     g = torch.Generator().manual_seed(4)
     R, T = 3, 6
@@ -217,18 +217,18 @@ def test_ppo_runs_actor_and_critic_with_the_metrics_by_name(
     assert recs[1]["reward_mean"] == first["reward_mean"] and recs[1]["value_loss"] < first["value_loss"]
     assert recs[2]["kl"] > 0  # k3 >= 0, and the policy has moved off the reference
     # the policy's checkpoint is a causal LM any eval or export reads; the critic sits beside it
-    from ladle.train.export import load_checkpoint_model
+    from ladle.ops.export import load_checkpoint_model
 
     model, _, _ = load_checkpoint_model(tmp_path / "run")
     assert model.cfg.head == "lm"
 
 
 def test_ppo_whitening_is_over_the_whole_batch(chat_tokenizer, prompt_data, tmp_path):
-    # two microbatches' advantages are whitened together: as ladle.train.ppo.whiten on the
+    # two microbatches' advantages are whitened together: as ladle.rl.algorithms.whiten on the
     # concatenated batch (so 1 process and 2 ranks whiten alike)
     from types import SimpleNamespace
 
-    from ladle.recipes.ppo import PPORollouts
+    from ladle.rl.advantages import gae_advantages
 
     g = torch.Generator().manual_seed(5)
     batches = []
@@ -244,13 +244,12 @@ def test_ppo_whitening_is_over_the_whole_batch(chat_tokenizer, prompt_data, tmp_
             }
         )
     section = SimpleNamespace(kl_estimator="k1", kl_coef=0.1, gamma=1.0, lam=0.95, whiten_advantages=True)
-    me = SimpleNamespace(section=section, reference=None, group=None)
     raw = []
     for b in batches:
         mask = b["targets"] != -100
         rw = token_rewards(b["scores"], torch.zeros_like(b["old_logps"]), mask, 0.1)
         raw.append(gae(rw, b["old_values"], mask, 1.0, 0.95)[0])
-    PPORollouts.advantages(me, batches)
+    gae_advantages(batches, section, group=None)
     mask = torch.cat([b["targets"] for b in batches]) != -100
     want = whiten(torch.cat(raw), mask)
     assert torch.allclose(torch.cat([b["advantages"] for b in batches]), want, atol=1e-6)
@@ -328,7 +327,8 @@ def test_ppo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, reward_fo
 
 
 def test_policy_loss_takes_token_advantages_dual_clip_and_an_entropy_bonus():
-    from ladle.train.grpo import PolicyLoss, policy_loss
+    from ladle.rl.algorithms import policy_loss
+    from ladle.rl.losses import PolicyLoss
 
     g = torch.Generator().manual_seed(6)
     logps, old = -torch.rand(3, 5, generator=g) * 3, -torch.rand(3, 5, generator=g) * 3
@@ -421,15 +421,16 @@ def test_shared_placement_parks_the_idle_models(
     # where each model is at each phase (on a CPU run nothing moves, the bookkeeping is the same):
     # while the policy generates, the reference, reward model and critic wait in host memory;
     # the critic is back on the device for the training step, the reference and reward model not
-    import ladle.recipes.grpo as grpo_recipe
+    import ladle.recipes.rl as rl_recipe
+    import ladle.rl.engine as engine
     from ladle.config.load import build_config
     from ladle.recipes import load
-    from ladle.train import offload
-    from ladle.train.ppo import ValueLoss
+    from ladle.rl import roles
+    from ladle.rl.losses import ValueLoss
 
     seen, parkings = [], []
 
-    class Recording(offload.Parking):
+    class Recording(roles.Parking):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             parkings.append(self)
@@ -438,9 +439,9 @@ def test_shared_placement_parks_the_idle_models(
         seen.append(("generate", dict(parkings[-1].where)))
         return real_rollout(*a, **kw)
 
-    real_rollout = grpo_recipe.rollout
-    monkeypatch.setattr(grpo_recipe, "Parking", Recording)
-    monkeypatch.setattr(grpo_recipe, "rollout", recording_rollout)
+    real_rollout = engine.rollout
+    monkeypatch.setattr(rl_recipe, "Parking", Recording)
+    monkeypatch.setattr(engine, "rollout", recording_rollout)
     real_step = ValueLoss.from_output
 
     def recording_value(self, out, batch):

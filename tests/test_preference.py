@@ -9,8 +9,8 @@ import pytest
 from ladle.cli import main
 from ladle.data.preference import PreferenceSplit, parse_hh, prepare_preference, to_pair
 from ladle.data.sft import BadRecord, ChatEncoder
+from ladle.data.tokenizer import load_tokenizer
 from ladle.errors import DataError
-from ladle.tokenizer import load_tokenizer
 
 USER = {"role": "user", "content": "What is 2 + 3?"}
 GOOD = {"role": "assistant", "content": "5"}

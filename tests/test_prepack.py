@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ladle.config.schema import ModelConfig
-from ladle.generation import generate
+from ladle.models.generation import generate
 from ladle.models.llama import build_model
 from ladle.models.prepack import prepacked
 

@@ -11,8 +11,8 @@ from ladle.data.indexed import IndexedDataset
 from ladle.data.inspect import format_inspect, inspect_data
 from ladle.data.prepare import load_meta, open_split, prepare
 from ladle.data.sources import iter_files
+from ladle.data.tokenizer import load_tokenizer, train_tokenizer
 from ladle.errors import DataError
-from ladle.tokenizer import load_tokenizer, train_tokenizer
 
 WORDS = "alpha beta gamma delta épsilon ζήτα 日本 🎉 def return\n  \t".split(" ")
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from ladle import ranktable
 from ladle.cli import main
+from ladle.launch import ranktable
 
 
 def two_servers(tmp_path, devices=2):

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ladle.errors import ConfigError, DataError
-from ladle.rewards import Rewards, extract_answer, math_equal, normalize_math
+from ladle.rl.rewards import Rewards, extract_answer, math_equal, normalize_math
 
 CTX = {"prompt": "p", "response_tokens": 10}
 

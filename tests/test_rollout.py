@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ladle.config.schema import ModelConfig
-from ladle.generation import sample_next
+from ladle.models.generation import sample_next
 from ladle.models.llama import build_model
-from ladle.train.rollout import (
+from ladle.rl.rollout import (
     Sampling,
     balance,
     imbalance,

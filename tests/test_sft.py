@@ -14,10 +14,10 @@ from ladle.config.load import build_config
 from ladle.data.chat import BUILTIN
 from ladle.data.packing import SFTSamples
 from ladle.data.sft import BadRecord, ChatEncoder, SFTSplit, check_roles, prepare_sft, to_messages
+from ladle.data.tokenizer import load_tokenizer
 from ladle.errors import DataError
 from ladle.models.llama import build_model
-from ladle.rewards import exact_match, regex_match
-from ladle.tokenizer import load_tokenizer
+from ladle.rl.rewards import exact_match, regex_match
 from ladle.train.loss import IGNORE_INDEX, cross_entropy_sum
 from ladle.train.metrics import read_metrics
 

@@ -65,7 +65,7 @@ def test_logits_equal_transformers_past_the_window_and_export_round_trips(tmp_pa
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_greedy_generation_with_the_kv_cache_equals_transformers(tmp_path, family):
-    from ladle.generation import generate
+    from ladle.models.generation import generate
 
     hf = hf_model(family)
     hf.save_pretrained(tmp_path / "hf")

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
+from ladle.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 from ladle.errors import DataError
-from ladle.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
 WORDS = "the quick brown fox jumps over lazy dog def return import class lambda yield".split()
 
@@ -204,7 +204,7 @@ def _variant(trained, tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["bytelevel", "split", "prefix"])
 def test_cached_bpe_gives_the_library_ids(trained, tmp_path, kind):
-    from ladle.bpe_cache import CachedBPE
+    from ladle.data.bpe_cache import CachedBPE
 
     tok = load_tokenizer(trained if kind == "bytelevel" else _variant(trained, tmp_path, kind))
     fast = CachedBPE.for_tokenizer(tok._tok)

@@ -13,11 +13,11 @@ import pytest
 import torch
 import yaml
 
+from ladle.checkpoint.catalogue import latest_checkpoint
 from ladle.cli import main
 from ladle.config.load import build_config
 from ladle.errors import CheckpointError, ConfigError, DataError
 from ladle.recipes import pretrain
-from ladle.train.checkpoint import latest_checkpoint
 from ladle.train.metrics import read_metrics
 
 DESIGN_FIELDS = {
@@ -162,15 +162,15 @@ def test_async_checkpoints_complete_and_resume(tiny_config, tmp_path):
 def test_non_finite_loss_never_reaches_the_weights(tiny_config):
     from ladle import device as dev
     from ladle import distributed as dist
-    from ladle.prelaunch import check
-    from ladle.recipes import base
+    from ladle.launch.checks import check
+    from ladle.recipes import base, pretrain
     from ladle.train import loop
     from ladle.train.loss import CausalLMLoss
 
     cfg = build_config(tiny_config, ["train.eval_steps=0", "checkpoint.every=0"])
     cpu = torch.device("cpu")
     dist.init(cpu)
-    trainer = base.build_trainer(cfg, cpu, check(cfg), None)
+    trainer = base.build_trainer(pretrain.RECIPE, cfg, cpu, check(cfg), None)
     weights = {}
 
     class NaNFromStepThree(CausalLMLoss):
@@ -268,7 +268,7 @@ def test_precision_auto_runs_and_records_the_mode_it_chose(tiny_config):
 
 
 def test_data_made_with_another_tokenizer_is_refused(tiny_config, corpus, tmp_path):
-    from ladle.tokenizer import train_tokenizer
+    from ladle.data.tokenizer import train_tokenizer
 
     other = train_tokenizer([str(corpus)], vocab_size=300, output=str(tmp_path / "other"))
     with pytest.raises(DataError, match="prepared with a different tokenizer"):
@@ -404,7 +404,7 @@ def test_init_from_starts_from_the_hf_weights_and_shape(tiny_config, tmp_path, c
         and saved["max_seq_len"] == 64
     )
     assert "weights from" in (out / "events.log").read_text()
-    from ladle.train.export import load_any_model
+    from ladle.ops.export import load_any_model
 
     model, _ = load_any_model(latest_checkpoint(out))
     for name, value in model.state_dict().items():

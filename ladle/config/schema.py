@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ladle.units import parse_size
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -581,7 +583,7 @@ DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
 
 
 class DPOConfig(Section):
-    """Direct preference optimisation and its family (`ladle run dpo`, ladle/train/preference.py)."""
+    """Direct preference optimisation and its family (`ladle run dpo`, ladle/preference/losses.py)."""
 
     loss: Literal[DPO_LOSSES] = Field(
         "sigmoid",
@@ -622,7 +624,7 @@ class RewardConfig(Section):
 
 
 class RolloutConfig(Section):
-    """How the RL recipes sample their responses (ladle/train/rollout.py)."""
+    """How the RL recipes sample their responses (ladle/rl/rollout.py)."""
 
     temperature: float = Field(
         1.0, gt=0, description="sampling temperature (the log-probs of the loss are of softmax(logits / T))"
@@ -780,7 +782,7 @@ class PPOConfig(RolloutConfig):
 
 
 class RewardsConfig(Section):
-    """The rewards of the RL recipes (ladle/rewards.py): weighted terms by name."""
+    """The rewards of the RL recipes (ladle/rl/rewards.py): weighted terms by name."""
 
     terms: list[dict] = Field(
         default_factory=lambda: [{"name": "exact"}],
@@ -864,8 +866,6 @@ class DeviceConfig(Section):
     @classmethod
     def _size(cls, v):
         if v is not None:
-            from ladle.plan import parse_size
-
             try:
                 parse_size(v, "device.memory")
             except Exception as e:
@@ -935,7 +935,7 @@ class WatchdogConfig(Section):
 
 
 class FaultsConfig(Section):
-    """Faults injected on purpose, to rehearse recovery and to test it (ladle/train/faults.py);
+    """Faults injected on purpose, to rehearse recovery and to test it (ladle/faults.py);
     each switch is refused unless `enabled`. Steps count from 1; 0 is off. A job's restarted
     attempt is not hit (torchrun's TORCHELASTIC_RESTART_COUNT > 0), so it trains past the step."""
 

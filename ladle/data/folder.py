@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ladle.config.schema import LadleConfig
 from ladle.data.indexed import IndexedDatasetWriter
 from ladle.errors import DataError
 
@@ -219,7 +220,7 @@ def check_files(data_dir: str | os.PathLike, meta: dict, *, checksums: bool = Fa
 
 def fingerprint(data_dir: str | os.PathLike) -> str:
     """The identity of a prepared folder's contents (the sizes and checksums of its files, as
-    meta.json records them): a checkpoint keeps it, and a resume compares (ladle/prelaunch.py)."""
+    meta.json records them): a checkpoint keeps it, and a resume compares (`data_changes`)."""
     root = Path(data_dir)
     if not (root / "meta.json").is_file():  # Megatron shards without one: their names and sizes
         files = sorted(p for p in (root.glob("*.[bi][id][nx]") if root.is_dir() else []) if p.is_file())
@@ -228,6 +229,32 @@ def fingerprint(data_dir: str | os.PathLike) -> str:
         meta = load_meta(root)
         basis = meta.get("files") or {"splits": meta.get("splits"), "tokenizer": meta.get("tokenizer_hash")}
     return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()
+
+
+def data_identity(cfg: LadleConfig, tokenizer=None) -> dict:
+    """What a run trains on, kept in each checkpoint: the tokenizer's sha256 and the data
+    folder's fingerprint (its files' sizes and checksums, as meta.json records them).
+    `tokenizer`: the one `check` loaded (else it is loaded here)."""
+    from ladle.data.tokenizer import load_tokenizer
+
+    tok = tokenizer or load_tokenizer(cfg.tokenizer.path)
+    return {"tokenizer": tok.hash, "data": fingerprint(cfg.data.path)}
+
+
+def data_changes(cfg: LadleConfig, theirs: dict | None) -> list[str]:
+    """What differs from a checkpoint's `data_identity` (none recorded: nothing to compare)."""
+    if not theirs:
+        return []
+    mine = data_identity(cfg)
+    where = {
+        "tokenizer": f"the tokenizer at tokenizer.path {cfg.tokenizer.path}",
+        "data": f"the data at data.path {cfg.data.path}",
+    }
+    return [
+        f"{where[k]} changed (sha256 {theirs[k][:12]} at the checkpoint, {mine[k][:12]} now)"
+        for k in ("tokenizer", "data")
+        if theirs.get(k) and theirs[k] != mine[k]
+    ]
 
 
 def _first_difference(path: Path, meta: dict) -> str:

@@ -18,8 +18,8 @@ import numpy as np
 
 from ladle.data.folder import SPLITS, load_meta
 from ladle.data.prepare import TokenStream, open_split
+from ladle.data.tokenizer import Tokenizer, load_tokenizer
 from ladle.errors import DataError
-from ladle.tokenizer import Tokenizer, load_tokenizer
 
 ENTROPY_CHUNK = 1 << 24  # tokens per np.bincount call: bounded memory on any split size
 SAMPLE_CHARS = 200

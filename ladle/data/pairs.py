@@ -1,4 +1,4 @@
-"""Preference pairs as training rows, for the DPO and reward recipes (ladle/train/preference.py).
+"""Preference pairs as training rows, for the DPO and reward recipes (ladle/preference/losses.py).
 
 A row is one pair: `tokens` (2, T) holds the chosen and the rejected sequence (prompt +
 completion), each from position 0 and padded at its end, so plain causal attention keeps them

@@ -46,8 +46,8 @@ from ladle.data.folder import (
 from ladle.data.indexed import dtype_for_vocab
 from ladle.data.sft import OVERLONG, BadRecord, ChatEncoder, SFTSplit, check_roles
 from ladle.data.sources import iter_files, iter_rows, no_files_message
+from ladle.data.tokenizer import load_tokenizer
 from ladle.errors import DataError
-from ladle.tokenizer import load_tokenizer
 
 TASK = "preference"
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):[ \t]?")

@@ -42,8 +42,8 @@ from ladle.data.folder import (
 )
 from ladle.data.indexed import IndexedDataset, dtype_for_vocab
 from ladle.data.sources import Record, iter_documents, iter_files, no_files_message
+from ladle.data.tokenizer import Tokenizer, load_tokenizer
 from ladle.errors import DataError
-from ladle.tokenizer import Tokenizer, load_tokenizer
 
 CHUNK_DOCS = 512  # a chunk (one unit of work for a worker) closes at this many documents
 CHUNK_CHARS = 1 << 18  # ... or this many characters of text (small enough to balance the workers)

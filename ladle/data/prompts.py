@@ -41,8 +41,8 @@ from ladle.data.folder import (
 from ladle.data.indexed import IndexedDataset, dtype_for_vocab
 from ladle.data.sft import BadRecord, ChatEncoder, check_roles
 from ladle.data.sources import iter_files, iter_rows, no_files_message
+from ladle.data.tokenizer import load_tokenizer
 from ladle.errors import DataError
-from ladle.tokenizer import load_tokenizer
 
 TASK = "prompts"
 SPLITS = ("train", "val")

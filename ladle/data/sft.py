@@ -45,8 +45,8 @@ from ladle.data.folder import (
 )
 from ladle.data.indexed import IndexedDataset, dtype_for_vocab
 from ladle.data.sources import iter_files, iter_rows, no_files_message
+from ladle.data.tokenizer import Tokenizer, load_tokenizer
 from ladle.errors import DataError
-from ladle.tokenizer import Tokenizer, load_tokenizer
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca")
 MASKS = ("assistant", "last_turn", "all")

@@ -19,13 +19,12 @@ import torch
 import torch.nn as nn
 
 from ladle.config.schema import ModelConfig
+from ladle.models.layers import RMSNorm, apply_rope, sdpa, yarn_mscale
 
 
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
-        from ladle.models.llama import RMSNorm
-
         m = cfg.mla
         H = cfg.n_heads
         self.window = window
@@ -56,13 +55,9 @@ class MLA(nn.Module):
         s = cfg.rope_scaling
         self.q_scale = 1.0
         if s is not None and s.type == "yarn" and s.mscale_all_dim:
-            from ladle.models.llama import yarn_mscale
-
             self.q_scale = yarn_mscale(s.factor, s.mscale_all_dim) ** 2
 
     def forward(self, x, cos, sin, mask=None, cache=None, layer: int = 0, at=None):
-        from ladle.models.llama import apply_rope
-
         if at is not None:
             raise ValueError("MLA: `at` (one position per row) is not supported; score every position")
         B, T, _ = x.shape
@@ -94,8 +89,6 @@ class MLA(nn.Module):
         zero-padded to their width: SDPA's flash kernels take one head size for q, k and v (else
         the CPU falls back to the math path, which keeps the (T, T) scores: twice the time in
         fp32 at V3's proportions), and the padded output columns are zeros, sliced off."""
-        from ladle.models.llama import sdpa
-
         pad = q.shape[-1] - v.shape[-1]
         if pad > 0:
             v = torch.nn.functional.pad(v, (0, pad))

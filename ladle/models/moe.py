@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 
 from ladle.config.schema import ModelConfig, MoEConfig
+from ladle.models.layers import MLP
 
 # Rows per expert are padded to this multiple for CUDA's grouped GEMM: its weight gradient
 # contracts over each group's rows, which need 16-byte alignment (8 bf16 rows; 16 covers fp8).
@@ -81,8 +82,6 @@ class MoE(nn.Module):
         if self.sigmoid:  # DeepSeek-V3: added to the scores for the choice only (aux-loss-free balancing)
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(m.n_experts))
         if m.n_shared_experts:
-            from ladle.models.llama import MLP
-
             shared = cfg.model_copy(update={"ffn_dim": m.ffn_dim * m.n_shared_experts})
             self.shared_experts = MLP(shared)
 

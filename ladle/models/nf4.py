@@ -128,8 +128,6 @@ def base_weight(m: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
 def quantize_linears(model: nn.Module) -> tuple[int, int]:
     """Every linear layer inside the transformer blocks (attention and MLP; not the embedding or
     the output head, as QLoRA does) to NF4, frozen. Returns (NF4 bytes, bytes before)."""
-    from ladle.models.lora import LoRALinear
-
     after = before = 0
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or not name.startswith("layers.") or hasattr(m, "weight_nf4"):
@@ -141,6 +139,6 @@ def quantize_linears(model: nn.Module) -> tuple[int, int]:
         del m._parameters["weight"]
         if m.bias is not None:
             m.bias.requires_grad_(False)
-        if not isinstance(m, LoRALinear):
+        if type(m) is nn.Linear:  # an adapter's layer (ladle/models/lora.py) reads weight_nf4 itself
             m.__class__ = NF4Linear
     return after, before

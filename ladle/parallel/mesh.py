@@ -119,111 +119,17 @@ def check_layout(cfg: LadleConfig, world: int, roles: int = 1, why: str = "") ->
     if roles > 1:
         world = role_world(cfg, world, roles, why)
     lay = replace(resolve_layout(cfg, world), roles=roles)
-    m = cfg.model
     errors = []
-
-    def divides(name: str, degree: int, field: str, value: int):
-        if value % degree:
-            errors.append(f"{name}={degree} does not divide model.{field}={value}")
-
-    if m.mla is not None and lay.cp > 1:
+    if cfg.model.mla is not None and lay.cp > 1:
         errors.append(
             "cp > 1 with model.mla (DeepSeek-V3's latent attention) is not supported yet; "
             "use dp_shard (FSDP), tp, pp and ep"
         )
-    if lay.tp > 1:
-        divides("tp", lay.tp, "n_heads", m.n_heads)
-        divides("tp", lay.tp, "n_kv_heads", m.kv_heads)
-        if not m.moe:
-            divides("tp", lay.tp, "ffn_dim", m.ffn_dim)
-        divides("tp", lay.tp, "vocab_size", m.vocab_size)
-        if cfg.data.seq_len % lay.tp and lay.cp == 1:  # sequence parallel splits every sample's tokens
-            errors.append(f"tp={lay.tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
-        if m.moe and m.moe.n_shared_experts:  # split like a dense MLP
-            divides(
-                "tp", lay.tp, "moe.ffn_dim x moe.n_shared_experts", m.moe.ffn_dim * m.moe.n_shared_experts
-            )
-        if m.moe and lay.ep > 1:
-            errors.append(
-                f"tp={lay.tp} with ep={lay.ep} is not supported yet (each TP rank routes its own tokens, "
-                "and expert parallelism would need their gradients summed over both); use one of them"
-            )
-    if cfg.parallel.async_tp:
-        if lay.tp == 1:
-            errors.append("parallel.async_tp needs parallel.tp > 1")
-        if not cfg.train.compile:
-            errors.append(
-                "parallel.async_tp is an inductor pass over the compiled blocks; set train.compile=true"
-            )
-        kind = pick_device(cfg.train.device).type
-        if kind != "cuda":
-            errors.append(
-                f"parallel.async_tp needs CUDA (symmetric memory), but this run's device is {kind}; "
-                "set parallel.async_tp=false"
-            )
-    if lay.pp > 1:
-        from ladle.parallel.pp import STAGES_PER_RANK
-
-        p = cfg.parallel
-        stages = lay.pp * STAGES_PER_RANK[p.pp_schedule]
-        if p.pp_split:
-            ok = len(p.pp_split) == stages - 1 and all(
-                a < b for a, b in zip([0, *p.pp_split], [*p.pp_split, m.n_layers], strict=True)
-            )
-            if not ok:
-                errors.append(
-                    f"parallel.pp_split={p.pp_split} must be {stages - 1} increasing layer indices between 0 "
-                    f"and model.n_layers={m.n_layers} ({stages} stages: pp={lay.pp} x "
-                    f"{STAGES_PER_RANK[p.pp_schedule]} per rank for {p.pp_schedule}), leaving no stage empty"
-                )
-        elif m.n_layers < stages:
-            errors.append(
-                f"pp={lay.pp} x {STAGES_PER_RANK[p.pp_schedule]} stages per rank ({p.pp_schedule}) = {stages} "
-                f"stages for model.n_layers={m.n_layers} would leave a stage empty"
-            )
-        if cfg.train.grad_accum_steps < lay.pp:
-            errors.append(
-                f"train.grad_accum_steps={cfg.train.grad_accum_steps} (the pipeline's microbatches) must be "
-                f"at least pp={lay.pp}"
-            )
-        if m.tie_embeddings:
-            errors.append(
-                "pp > 1 with model.tie_embeddings=true is not supported (the head is on another stage)"
-            )
-        if cfg.precision.mode == "fp16-mixed":
-            errors.append(
-                "pp > 1 with precision.mode=fp16-mixed is not supported (the schedule's backward is not loss-scaled); use bf16-mixed"
-            )
-    if lay.cp > 1:
-        T = cfg.data.seq_len
-        if T % (2 * lay.cp):  # two chunks per rank (load balancing, ladle/parallel/cp.py)
-            errors.append(f"2 x cp={2 * lay.cp} does not divide data.seq_len={T}")
-        elif lay.tp > 1 and (T // lay.cp) % lay.tp:
-            errors.append(
-                f"tp={lay.tp} does not divide data.seq_len / cp = {T // lay.cp} (sequence parallel of each shard)"
-            )
-        if lay.pp > 1:
-            errors.append("cp > 1 with pp > 1 is not supported yet")
-        if lay.ep > 1:
-            errors.append("cp > 1 with ep > 1 is not supported yet")
-        if cfg.parallel.cp_attention == "ring" and m.sliding_window is not None:
-            errors.append(
-                "parallel.cp_attention=ring has no sliding window (model.sliding_window); use cp_attention=allgather"
-            )
-        if cfg.parallel.cp_attention == "ring" and cfg.data.document_mask:
-            errors.append(
-                "parallel.cp_attention=ring has no document mask; set data.document_mask=false or use "
-                "cp_attention=allgather"
-            )
-    if lay.ep > 1:
-        if not m.moe:
-            errors.append(f"ep={lay.ep} on a dense model: expert parallelism needs model.moe")
-        else:
-            divides("ep", lay.ep, "moe.n_experts", m.moe.n_experts)
-        if lay.dp_shard % lay.ep:
-            errors.append(
-                f"ep={lay.ep} must divide dp_shard={lay.dp_shard} (the experts are split over those ranks)"
-            )
+    errors += _tp_errors(cfg, lay) if lay.tp > 1 else []
+    errors += _async_tp_errors(cfg, lay) if cfg.parallel.async_tp else []
+    errors += _pp_errors(cfg, lay) if lay.pp > 1 else []
+    errors += _cp_errors(cfg, lay) if lay.cp > 1 else []
+    errors += _ep_errors(cfg, lay) if lay.ep > 1 else []
     if cfg.lora is not None and cfg.lora.quantize_base != "none" and lay.sharded:
         errors.append(
             "lora.quantize_base=nf4 (QLoRA) runs on one device or with dp_replicate (DDP); sharding an NF4 "
@@ -236,6 +142,126 @@ def check_layout(cfg: LadleConfig, world: int, roles: int = 1, why: str = "") ->
     if errors:
         raise ConfigError(f"parallel layout {lay.describe()} for world size {world}: " + "; ".join(errors))
     return lay
+
+
+def _divides(name: str, degree: int, field: str, value: int) -> list[str]:
+    return [f"{name}={degree} does not divide model.{field}={value}"] if value % degree else []
+
+
+def _tp_errors(cfg: LadleConfig, lay: Layout) -> list[str]:
+    """What tensor (and sequence) parallelism needs of the model and the data."""
+    m, errors = cfg.model, []
+    errors += _divides("tp", lay.tp, "n_heads", m.n_heads)
+    errors += _divides("tp", lay.tp, "n_kv_heads", m.kv_heads)
+    if not m.moe:
+        errors += _divides("tp", lay.tp, "ffn_dim", m.ffn_dim)
+    errors += _divides("tp", lay.tp, "vocab_size", m.vocab_size)
+    if cfg.data.seq_len % lay.tp and lay.cp == 1:  # sequence parallel splits every sample's tokens
+        errors.append(f"tp={lay.tp} does not divide data.seq_len={cfg.data.seq_len} (sequence parallel)")
+    if m.moe and m.moe.n_shared_experts:  # split like a dense MLP
+        errors += _divides(
+            "tp", lay.tp, "moe.ffn_dim x moe.n_shared_experts", m.moe.ffn_dim * m.moe.n_shared_experts
+        )
+    if m.moe and lay.ep > 1:
+        errors.append(
+            f"tp={lay.tp} with ep={lay.ep} is not supported yet (each TP rank routes its own tokens, "
+            "and expert parallelism would need their gradients summed over both); use one of them"
+        )
+    return errors
+
+
+def _async_tp_errors(cfg: LadleConfig, lay: Layout) -> list[str]:
+    """What asynchronous TP needs: tp > 1, compiled blocks, CUDA."""
+    errors = []
+    if lay.tp == 1:
+        errors.append("parallel.async_tp needs parallel.tp > 1")
+    if not cfg.train.compile:
+        errors.append(
+            "parallel.async_tp is an inductor pass over the compiled blocks; set train.compile=true"
+        )
+    kind = pick_device(cfg.train.device).type
+    if kind != "cuda":
+        errors.append(
+            f"parallel.async_tp needs CUDA (symmetric memory), but this run's device is {kind}; "
+            "set parallel.async_tp=false"
+        )
+    return errors
+
+
+def _pp_errors(cfg: LadleConfig, lay: Layout) -> list[str]:
+    """What pipeline parallelism needs: a layer for every stage, enough microbatches."""
+    m, errors = cfg.model, []
+    from ladle.parallel.pp import STAGES_PER_RANK
+
+    p = cfg.parallel
+    stages = lay.pp * STAGES_PER_RANK[p.pp_schedule]
+    if p.pp_split:
+        ok = len(p.pp_split) == stages - 1 and all(
+            a < b for a, b in zip([0, *p.pp_split], [*p.pp_split, m.n_layers], strict=True)
+        )
+        if not ok:
+            errors.append(
+                f"parallel.pp_split={p.pp_split} must be {stages - 1} increasing layer indices between 0 "
+                f"and model.n_layers={m.n_layers} ({stages} stages: pp={lay.pp} x "
+                f"{STAGES_PER_RANK[p.pp_schedule]} per rank for {p.pp_schedule}), leaving no stage empty"
+            )
+    elif m.n_layers < stages:
+        errors.append(
+            f"pp={lay.pp} x {STAGES_PER_RANK[p.pp_schedule]} stages per rank ({p.pp_schedule}) = {stages} "
+            f"stages for model.n_layers={m.n_layers} would leave a stage empty"
+        )
+    if cfg.train.grad_accum_steps < lay.pp:
+        errors.append(
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps} (the pipeline's microbatches) must be "
+            f"at least pp={lay.pp}"
+        )
+    if m.tie_embeddings:
+        errors.append("pp > 1 with model.tie_embeddings=true is not supported (the head is on another stage)")
+    if cfg.precision.mode == "fp16-mixed":
+        errors.append(
+            "pp > 1 with precision.mode=fp16-mixed is not supported (the schedule's backward is not loss-scaled); use bf16-mixed"
+        )
+    return errors
+
+
+def _cp_errors(cfg: LadleConfig, lay: Layout) -> list[str]:
+    """What context parallelism needs of the sequence length and the other dimensions."""
+    m, errors = cfg.model, []
+    T = cfg.data.seq_len
+    if T % (2 * lay.cp):  # two chunks per rank (load balancing, ladle/parallel/cp.py)
+        errors.append(f"2 x cp={2 * lay.cp} does not divide data.seq_len={T}")
+    elif lay.tp > 1 and (T // lay.cp) % lay.tp:
+        errors.append(
+            f"tp={lay.tp} does not divide data.seq_len / cp = {T // lay.cp} (sequence parallel of each shard)"
+        )
+    if lay.pp > 1:
+        errors.append("cp > 1 with pp > 1 is not supported yet")
+    if lay.ep > 1:
+        errors.append("cp > 1 with ep > 1 is not supported yet")
+    if cfg.parallel.cp_attention == "ring" and m.sliding_window is not None:
+        errors.append(
+            "parallel.cp_attention=ring has no sliding window (model.sliding_window); use cp_attention=allgather"
+        )
+    if cfg.parallel.cp_attention == "ring" and cfg.data.document_mask:
+        errors.append(
+            "parallel.cp_attention=ring has no document mask; set data.document_mask=false or use "
+            "cp_attention=allgather"
+        )
+    return errors
+
+
+def _ep_errors(cfg: LadleConfig, lay: Layout) -> list[str]:
+    """What expert parallelism needs: an MoE model whose experts split over dp_shard."""
+    m, errors = cfg.model, []
+    if not m.moe:
+        errors.append(f"ep={lay.ep} on a dense model: expert parallelism needs model.moe")
+    else:
+        errors += _divides("ep", lay.ep, "moe.n_experts", m.moe.n_experts)
+    if lay.dp_shard % lay.ep:
+        errors.append(
+            f"ep={lay.ep} must divide dp_shard={lay.dp_shard} (the experts are split over those ranks)"
+        )
+    return errors
 
 
 class Parallel:

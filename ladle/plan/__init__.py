@@ -31,7 +31,6 @@ a node), `remedy(...)` finds the first change that fits in the order users shoul
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from ladle.config.schema import LadleConfig, ModelConfig
@@ -39,24 +38,8 @@ from ladle.errors import ConfigError, LadleError
 from ladle.parallel.mesh import Layout
 from ladle.plan import activations as act
 from ladle.plan import memory as mem
-
-GiB = 2**30
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str, what: str = "device memory") -> int:
-    """Bytes from "80GB", "64GiB", "80g", "512M" (binary units whatever the spelling: device memory
-    is sold that way) or a plain number of bytes."""
-    m = SIZE.match(str(text))
-    if not m:
-        raise ConfigError(
-            f"{what} {text!r} is not a size; write a number with a unit, such as 64GB, 64GiB, 80g or 512MiB"
-        )
-    number, unit = float(m.group(1)), m.group(2).lower()
-    value = int(number * 1024 ** "_kmgt".index(unit or "_"))
-    if value <= 0:
-        raise ConfigError(f"{what} {text!r} must be more than 0")
-    return value
+from ladle.rl.roles import scorer_config
+from ladle.units import GiB, parse_size
 
 
 @dataclass(frozen=True)
@@ -145,8 +128,6 @@ def _scorer(cfg: LadleConfig, path: str | None) -> ModelConfig:
     """A score-head model's shape: from `path` where it can be read here, else the policy's."""
     if path:
         try:
-            from ladle.recipes.grpo import scorer_config
-
             return scorer_config(cfg, path).model
         except LadleError:
             pass

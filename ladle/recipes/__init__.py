@@ -1,8 +1,6 @@
-"""The recipes: a training method each, a short module on the shared pieces. A recipe module
-declares `DATA_TASK` (the `ladle data prepare --task` its data comes from) and `run(cfg)`, and
-where it needs them the checks ladle/prelaunch.py runs before launch: `check_layout(cfg, layout)`
-(what it cannot run on), `check_paths(cfg)` (the other models it reads) and `placement(cfg)`
-(the groups of ranks of a separated placement)."""
+"""The recipes: a training method each, a `Recipe` object (ladle/recipes/base.py) in a short module
+on the shared pieces. `load(name)` gives the recipe; its module is imported only then, so
+listing the recipes imports none."""
 
 from __future__ import annotations
 
@@ -21,6 +19,7 @@ RECIPES = {
 
 
 def load(name: str):
+    """The recipe called `name` (a `ladle.recipes.base.Recipe`)."""
     if name not in RECIPES:
         import difflib
 
@@ -30,4 +29,4 @@ def load(name: str):
             + (f"; did you mean '{hint[0]}'?" if hint else "")
             + f" (recipes: {', '.join(RECIPES)})"
         )
-    return importlib.import_module(RECIPES[name])
+    return importlib.import_module(RECIPES[name]).RECIPE

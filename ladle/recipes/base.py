@@ -1,11 +1,14 @@
-"""What every recipe shares: check, build, train, report. A recipe module passes its rows
-(`samples(cfg, split, found)`) and its loss object to `run`, and gets the resume decision, the
-layout, the policy built and laid out, the loaders, the loop, the end-of-run sample and the run
-card. See ladle/recipes/pretrain.py and sft.py for the shortest recipes on it.
+"""What every recipe shares: check, build, train, report. A recipe is a `Recipe` object: its rows
+(`samples(cfg, split, found)`), and where it needs them its loss and other models (`setup`), the
+checks of what it cannot run on, and the model a rank of a separated placement trains. `run`
+gives it the checks, the resume decision, the layout, the policy built and laid out, the
+loaders, the loop, the end-of-run sample and the run card. See ladle/recipes/pretrain.py and
+sft.py for the shortest recipes on it.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +17,9 @@ import torch
 
 from ladle import device as dev
 from ladle import distributed as dist
+from ladle.checkpoint.resume import Resume, worker_resume
 from ladle.config import LadleConfig
+from ladle.data.folder import data_identity
 from ladle.data.loader import (
     BatchLayout,
     PretrainLoader,
@@ -22,12 +27,13 @@ from ladle.data.loader import (
     eval_batch_count,
     eval_batches,
 )
+from ladle.launch.checks import Checked, check
 from ladle.models.llama import Llama, count_params
 from ladle.models.lora import apply_lora
 from ladle.parallel.compile import eager
 from ladle.parallel.mesh import Layout, Parallel
 from ladle.parallel.parallelize import gather_model
-from ladle.prelaunch import Checked, Resume, check, data_identity, worker_resume
+from ladle.plan import oom_report
 from ladle.train.builder import build_model
 from ladle.train.loop import Trainer
 from ladle.train.loss import CausalLMLoss, Loss
@@ -62,25 +68,63 @@ class Setup:
     resume: Resume
 
 
+class Recipe:
+    """A training method on the shared loop. A recipe says what differs: its rows (`samples`), its
+    loss and the other models it needs once the policy is built (`setup`), the data it trains on
+    (`data_task`), what it cannot run on (`check_layout`), the models it reads besides the policy
+    (`check_paths`), and in a separated placement the groups of ranks (`placement`) and what each
+    trains (`unit_config`). `run(cfg)` trains it."""
+
+    name = ""
+    data_task = "pretrain"  # the `ladle data prepare --task` its data comes from (meta.json's task)
+    rollouts = False  # its batches are generated each step (the RL recipes), not read by a loader
+
+    def samples(self, cfg: LadleConfig, split: str, found: Checked):
+        """Rows with len() and get(i) of the prepared data's `split`."""
+        raise NotImplementedError
+
+    def setup(self, s: Setup) -> Plan:
+        """Its rows and loss (None: the causal-LM loss), once the policy is built."""
+        return Plan(self.samples, None)
+
+    def config(self, cfg: LadleConfig) -> LadleConfig:
+        """The run config as this recipe trains it (a reward model's score head)."""
+        return cfg
+
+    def check_layout(self, cfg: LadleConfig, layout: Layout) -> None:
+        """Refuses what this recipe cannot run on (ConfigError)."""
+
+    def check_paths(self, cfg: LadleConfig) -> None:
+        """Checks the other models it reads, before launch (where the files are)."""
+
+    def placement(self, cfg: LadleConfig) -> tuple[int, str] | None:
+        """(groups of ranks, what they hold) of a separated placement; None: every model on every rank."""
+        return None
+
+    def unit_config(self, cfg: LadleConfig, par: Parallel) -> LadleConfig:
+        """The config of the model this rank trains (a separated placement's other group: the critic)."""
+        return cfg
+
+    def run(self, cfg: LadleConfig, loss: Loss | None = None) -> str:
+        """Trains (with `loss`, another objective on the same rows) and writes the run card;
+        returns the loop's status."""
+        return run(self.config(cfg), self, loss)
+
+
 def build_trainer(
+    recipe: Recipe,
     cfg: LadleConfig,
     device: torch.device,
     found: Checked,
     resume: Resume | None,
     par: Parallel | None = None,
-    recipe: str = "pretrain",
-    samples=None,  # (cfg, split, found) -> rows with len() and get(i); pretraining's by default
-    loss: Loss | None = None,  # the causal-LM loss by default
-    setup=None,  # (Setup) -> Plan, after the policy is built
-    unit_config=None,  # (cfg, par) -> the config of the model this rank trains (default: cfg's)
+    loss: Loss | None = None,  # the recipe's (`setup`), else the causal-LM loss
 ) -> Trainer:
     par = par or Parallel(Layout(), device)
     resume = resume or Resume(None)
-    if samples is None:
-        from ladle.recipes.pretrain import packed_samples as samples
-    run = RunDir(cfg, device, recipe=recipe, resume=resume)
+    run = RunDir(cfg, device, recipe=recipe.name, resume=resume)
     # the policy, or what this rank's group trains in a separated placement (PPO's critic)
-    unit_cfg = unit_config(cfg, par) if unit_config is not None else cfg
+    unit_cfg = recipe.unit_config(cfg, par)
     built = build_model(unit_cfg, par, device, load=resume.path is None)
     for note in built.notes:
         run.events(note)
@@ -90,13 +134,11 @@ def build_trainer(
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     fpt, trained = model_flops(cfg, n_no_embed)
     unit = TrainUnit(unit_cfg, built.model, device, par, built.pipeline)
-    plan = Plan(samples, loss)
-    if setup is not None:
-        plan = setup(Setup(cfg, par, device, unit, run, found, resume))
+    plan = recipe.setup(Setup(cfg, par, device, unit, run, found, resume))
     train, loader, val, evaluate = make_loaders(cfg, par, plan.samples, found, device, run)
     if plan.wrap is not None:  # e.g. the RL recipes' rollouts from each step's prompts
         loader, evaluate = plan.wrap(loader, evaluate)
-    loss = plan.loss or CausalLMLoss(cfg.model.moe)
+    loss = plan.loss or loss or CausalLMLoss(cfg.model.moe)
     trainer = (plan.trainer or Trainer)(
         cfg,
         run,
@@ -106,6 +148,7 @@ def build_trainer(
         flops_per_token=fpt,
         eval_batches=evaluate,
         identity=data_identity(cfg, found["tokenizer"]),  # the tokenizer check loaded, not again
+        oom_report=functools.partial(oom_report, cfg, recipe.name, par.layout, device),
     )
     run.events(
         f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"
@@ -180,7 +223,7 @@ def model_flops(cfg: LadleConfig, n_no_embed: int) -> tuple[float, str]:
 
 def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
     """A generated continuation of `sample.prompt`: the demo's proof that the model learned."""
-    from ladle.generation import generate
+    from ladle.models.generation import generate
 
     s = cfg.sample
     if not s.prompt or s.max_new_tokens == 0:
@@ -212,13 +255,9 @@ def adapter_counts(cfg: LadleConfig, n_no_embed: int) -> tuple[int, int, int]:
     return trained, adapters, n_no_embed - (head.numel() if head.requires_grad else 0)
 
 
-def run(
-    cfg: LadleConfig, recipe: str, samples, loss: Loss | None = None, setup=None, unit_config=None
-) -> str:
-    """Trains on `samples` with `loss` (the causal-LM loss by default) and writes the run card;
-    returns the loop's status. `setup(Setup) -> Plan`: a recipe's own preparation once the policy
-    is built (a reference model, cached reference log-probs, rollouts); `unit_config(cfg, par)`:
-    the config of the model this rank trains, when not the policy's (a separated placement)."""
+def run(cfg: LadleConfig, recipe: Recipe, loss: Loss | None = None) -> str:
+    """Checks, trains and writes the run card of `recipe` on this process (one of torchrun's, or
+    alone); returns the loop's status."""
     found = check(cfg, recipe)  # init_from, tokenizer and data, before anything is written
     cfg = found.cfg
     device = dev.pick_device(cfg.train.device, dist.local_rank())
@@ -226,7 +265,7 @@ def run(
     dev.set_device(device)
     dist.init(device, cfg.dist.timeout_s, trace_dir=str(Path(cfg.output_dir) / "hang"))
     try:
-        status = _train(cfg, recipe, samples, found, device, loss, setup, unit_config)
+        status = _train(cfg, recipe, found, device, loss)
         # Every rank waits for rank 0's sample and run card, then all leave the process group
         # together: a rank whose process exits with its group alive can abort in gloo's threads
         # ("terminate called without an active exception") while rank 0 still works, and torchrun
@@ -237,23 +276,14 @@ def run(
     return status
 
 
-def _train(
-    cfg: LadleConfig,
-    recipe: str,
-    samples,
-    found: Checked,
-    device: torch.device,
-    loss=None,
-    setup=None,
-    unit_config=None,
-) -> str:
+def _train(cfg: LadleConfig, recipe: Recipe, found: Checked, device: torch.device, loss=None) -> str:
     cfg, precision_note = resolve_mode(cfg, device)  # config.yaml records the mode that ran
     resume = worker_resume(cfg, device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     layout = check(cfg, recipe, world=dist.world_size(), paths=False).layout
     par = Parallel(layout, device, cfg.parallel.cp_attention)
-    trainer = build_trainer(cfg, device, found, resume, par, recipe, samples, loss, setup, unit_config)
+    trainer = build_trainer(recipe, cfg, device, found, resume, par, loss)
     run_dir = trainer.run
     if precision_note:
         run_dir.events(precision_note, level="warning" if "emulates" in precision_note else "info")

@@ -1,9 +1,9 @@
 """Direct preference optimisation and its family (`dpo.loss`): the policy trained on preference
 pairs (`ladle data prepare --task preference`) against a reference, from an SFT model
-(`model.init_from`). The losses are in ladle/train/preference.py.
+(`model.init_from`). The losses are in ladle/preference/losses.py.
 
 The reference is the starting policy. `dpo.reference: cached` (default) runs it once over the
-data before the first step and keeps its log-probs in the run directory (ladle/train/
+data before the first step and keeps its log-probs in the run directory (ladle/preference/
 reference.py), so training holds one model; `online` keeps a frozen copy beside the policy, laid
 out alike (with LoRA: the policy with its adapters off, no copy). SimPO has no reference.
 """
@@ -18,51 +18,85 @@ from ladle.data.pairs import PairSamples
 from ladle.data.preference import PreferenceSplit
 from ladle.errors import ConfigError
 from ladle.models.lora import adapters_disabled
-from ladle.recipes import base
-from ladle.train import reference
+from ladle.preference import reference
+from ladle.preference.losses import DPOLoss, pad_multiple
+from ladle.recipes.base import Plan, Recipe, Setup
 from ladle.train.builder import build_model
-from ladle.train.preference import DPOLoss, pad_multiple
 
-DATA_TASK = "preference"  # `ladle data prepare --task preference`
 SPLITS = ("train", "val")
 
 
-def check_layout(cfg: LadleConfig, layout) -> None:
-    """Pairs are scored whole: a side's log-prob sum is not split over sequence shards or stages."""
-    for name, degree in (("pp", layout.pp), ("cp", layout.cp)):
-        if degree > 1:
-            raise ConfigError(
-                f"parallel.{name}={degree}: the preference recipes run with data parallelism, FSDP and TP "
-                f"(and their composition), not yet with {name.upper()}; set parallel.{name}: 1"
-            )
+class PairRecipe(Recipe):
+    """The recipes on preference pairs (DPO and the reward model): their rows and layouts."""
+
+    data_task = "preference"  # `ladle data prepare --task preference`
+
+    def check_layout(self, cfg: LadleConfig, layout) -> None:
+        """Pairs are scored whole: a side's log-prob sum is not split over sequence shards or stages."""
+        for name, degree in (("pp", layout.pp), ("cp", layout.cp)):
+            if degree > 1:
+                raise ConfigError(
+                    f"parallel.{name}={degree}: the preference recipes run with data parallelism, FSDP and TP "
+                    f"(and their composition), not yet with {name.upper()}; set parallel.{name}: 1"
+                )
+
+    def samples(self, cfg: LadleConfig, split: str, found, ref_logps=None) -> PairSamples:
+        tok = found["tokenizer"]
+        pad = tok.pad_id if tok.pad_id is not None else 0
+        return PairSamples(
+            PreferenceSplit(cfg.data.path, split),
+            cfg.data.seq_len,
+            pad_id=pad,
+            name=split,
+            ref_logps=ref_logps,
+        )
 
 
-def pair_samples(cfg: LadleConfig, split: str, found, ref_logps=None) -> PairSamples:
-    tok = found["tokenizer"]
-    pad = tok.pad_id if tok.pad_id is not None else 0
-    return PairSamples(
-        PreferenceSplit(cfg.data.path, split), cfg.data.seq_len, pad_id=pad, name=split, ref_logps=ref_logps
-    )
+class DPO(PairRecipe):
+    name = "dpo"
+
+    def setup(self, s: Setup) -> Plan:
+        cfg = s.cfg
+        multiple = pad_multiple(s.par.layout.tp)
+        head = {"multiple": multiple, "completions_only": s.par.layout.tp == 1}  # see pair_logps
+        if cfg.dpo.loss == "simpo":
+            return Plan(self.samples, DPOLoss(cfg.dpo, **head))
+        if cfg.dpo.reference == "online":
+            return Plan(self.samples, DPOLoss(cfg.dpo, online_reference(s), **head))
+        cached = reference.load(cfg)
+        if cached is None:
+            cached = self.compute_cache(s)
+        else:
+            s.run.events(f"reference log-probs: reused from {cfg.output_dir}/{reference.CACHE_DIR}")
+        rows = lambda c, split, f: self.samples(c, split, f, cached[split])  # noqa: E731
+        return Plan(rows, DPOLoss(cfg.dpo, **head))
+
+    def compute_cache(self, s: Setup) -> dict:
+        """The reference log-probs of both splits: from the policy itself on a fresh start (it is
+        the reference then: adapters start at zero), else from a frozen copy built for the pass."""
+        cfg = s.cfg
+        fresh = s.resume.path is None
+        model = s.unit.model if fresh else build_model(cfg, s.par, s.device, trainable=False).model
+
+        @contextlib.contextmanager
+        def context():
+            with s.par.loss_context(), s.unit.precision.autocast():
+                yield
+
+        out = {}
+        for split in SPLITS:
+            rows = self.samples(cfg, split, s.found)
+            out[split] = reference.compute(model, rows, s.par, cfg.train.micro_batch_size, s.device, context)
+        if dist.is_main():
+            reference.save(cfg, out)
+        s.run.events(
+            f"reference log-probs: computed for {sum(len(a) for a in out.values()):,} pairs "
+            f"and stored in {cfg.output_dir}/{reference.CACHE_DIR}"
+        )
+        return out
 
 
-def setup(s: base.Setup):
-    cfg = s.cfg
-    multiple = pad_multiple(s.par.layout.tp)
-    head = {"multiple": multiple, "completions_only": s.par.layout.tp == 1}  # see pair_logps
-    if cfg.dpo.loss == "simpo":
-        return base.Plan(pair_samples, DPOLoss(cfg.dpo, **head))
-    if cfg.dpo.reference == "online":
-        return base.Plan(pair_samples, DPOLoss(cfg.dpo, online_reference(s), **head))
-    cached = reference.load(cfg)
-    if cached is None:
-        cached = compute_cache(s)
-    else:
-        s.run.events(f"reference log-probs: reused from {cfg.output_dir}/{reference.CACHE_DIR}")
-    rows = lambda c, split, f: pair_samples(c, split, f, cached[split])  # noqa: E731
-    return base.Plan(rows, DPOLoss(cfg.dpo, **head))
-
-
-def online_reference(s: base.Setup):
+def online_reference(s: Setup):
     """The frozen reference: with LoRA (and nothing trained in full), the policy's own base."""
     cfg, policy = s.cfg, s.unit.model
     if cfg.lora is not None and not cfg.lora.modules_to_save:
@@ -78,30 +112,5 @@ def online_reference(s: base.Setup):
     return ref
 
 
-def compute_cache(s: base.Setup) -> dict:
-    """The reference log-probs of both splits: from the policy itself on a fresh start (it is
-    the reference then: adapters start at zero), else from a frozen copy built for the pass."""
-    cfg = s.cfg
-    fresh = s.resume.path is None
-    model = s.unit.model if fresh else build_model(cfg, s.par, s.device, trainable=False).model
-
-    @contextlib.contextmanager
-    def context():
-        with s.par.loss_context(), s.unit.precision.autocast():
-            yield
-
-    out = {}
-    for split in SPLITS:
-        rows = pair_samples(cfg, split, s.found)
-        out[split] = reference.compute(model, rows, s.par, cfg.train.micro_batch_size, s.device, context)
-    if dist.is_main():
-        reference.save(cfg, out)
-    s.run.events(
-        f"reference log-probs: computed for {sum(len(a) for a in out.values()):,} pairs "
-        f"and stored in {cfg.output_dir}/{reference.CACHE_DIR}"
-    )
-    return out
-
-
-def run(cfg: LadleConfig) -> str:
-    return base.run(cfg, "dpo", None, setup=setup)
+RECIPE = DPO()
+run = RECIPE.run

@@ -9,34 +9,33 @@ from __future__ import annotations
 
 from ladle.config import LadleConfig
 from ladle.errors import ConfigError
-from ladle.recipes import base
-from ladle.recipes.dpo import check_layout as pair_layout
-from ladle.recipes.dpo import pair_samples
-from ladle.train.preference import RewardLoss, pad_multiple
-
-DATA_TASK = "preference"
+from ladle.preference.losses import RewardLoss, pad_multiple
+from ladle.recipes.base import Plan, Setup
+from ladle.recipes.dpo import PairRecipe
 
 
-def check_layout(cfg: LadleConfig, layout) -> None:
-    pair_layout(cfg, layout)
-    if cfg.lora is not None:
-        raise ConfigError(
-            "lora: reward models train in full for now (the new score head needs it); remove lora"
+class Reward(PairRecipe):
+    name = "reward"
+
+    def check_layout(self, cfg: LadleConfig, layout) -> None:
+        super().check_layout(cfg, layout)
+        if cfg.lora is not None:
+            raise ConfigError(
+                "lora: reward models train in full for now (the new score head needs it); remove lora"
+            )
+
+    def config(self, cfg: LadleConfig) -> LadleConfig:
+        """The policy's config with a score head."""
+        if cfg.model.head == "score":
+            return cfg
+        return LadleConfig.model_validate(
+            {**cfg.model_dump(), "model": {**cfg.model.model_dump(exclude_unset=True), "head": "score"}}
         )
 
-
-def with_score_head(cfg: LadleConfig) -> LadleConfig:
-    if cfg.model.head == "score":
-        return cfg
-    return LadleConfig.model_validate(
-        {**cfg.model_dump(), "model": {**cfg.model.model_dump(exclude_unset=True), "head": "score"}}
-    )
+    def setup(self, s: Setup) -> Plan:
+        tp = s.par.layout.tp  # sequence parallelism splits the positions: score them all there
+        return Plan(self.samples, RewardLoss(s.cfg.reward, pad_multiple(tp), last_only=tp == 1))
 
 
-def setup(s: base.Setup):
-    tp = s.par.layout.tp  # sequence parallelism splits the positions: score them all there
-    return base.Plan(pair_samples, RewardLoss(s.cfg.reward, pad_multiple(tp), last_only=tp == 1))
-
-
-def run(cfg: LadleConfig) -> str:
-    return base.run(with_score_head(cfg), "reward", None, setup=setup)
+RECIPE = Reward()
+run = RECIPE.run

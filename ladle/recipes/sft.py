@@ -11,22 +11,24 @@ from __future__ import annotations
 from ladle.config import LadleConfig
 from ladle.data.packing import SFTSamples
 from ladle.data.sft import SFTSplit
-from ladle.recipes import base
-
-DATA_TASK = "sft"  # `ladle data prepare --task sft`
+from ladle.recipes.base import Recipe
 
 
-def sft_samples(cfg: LadleConfig, split: str, found: dict) -> SFTSamples:
-    tok = found["tokenizer"]
-    return SFTSamples(
-        SFTSplit(cfg.data.path, split),
-        cfg.data.seq_len,
-        packing=cfg.data.packing,
-        seed=cfg.seed,
-        pad_id=tok.pad_id if tok.pad_id is not None else 0,
-        name=split,
-    )
+class SFT(Recipe):
+    name = "sft"
+    data_task = "sft"  # `ladle data prepare --task sft`
+
+    def samples(self, cfg: LadleConfig, split: str, found) -> SFTSamples:
+        tok = found["tokenizer"]
+        return SFTSamples(
+            SFTSplit(cfg.data.path, split),
+            cfg.data.seq_len,
+            packing=cfg.data.packing,
+            seed=cfg.seed,
+            pad_id=tok.pad_id if tok.pad_id is not None else 0,
+            name=split,
+        )
 
 
-def run(cfg: LadleConfig) -> str:
-    return base.run(cfg, "sft", sft_samples)
+RECIPE = SFT()
+run = RECIPE.run

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from ladle.checkpoint.catalogue import read_config
+from ladle.checkpoint.dcp import load_model_weights, resolve_checkpoint
 from ladle.config import LadleConfig
 from ladle.models.hf import is_hf_folder, load_hf_weights, read_hf_config
 from ladle.models.llama import Llama
@@ -26,7 +28,6 @@ from ladle.models.nf4 import quantize_linears
 from ladle.parallel.init import materialize
 from ladle.parallel.mesh import Parallel
 from ladle.parallel.parallelize import Apply, build_pipeline, parallelize
-from ladle.train.checkpoint import load_model_weights, read_config, resolve_checkpoint
 
 
 @dataclass

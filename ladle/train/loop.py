@@ -17,18 +17,19 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ladle import device as dev
 from ladle import distributed as dist
-from ladle import watchdog
+from ladle import faults, watchdog
+from ladle.checkpoint.catalogue import POLICY, latest_checkpoint, read_config
+from ladle.checkpoint.dcp import Checkpointer
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_dict, to_yaml
-from ladle.prelaunch import data_identity
-from ladle.train import faults
-from ladle.train.checkpoint import POLICY, Checkpointer, latest_checkpoint, read_config
+from ladle.data.folder import data_identity
 from ladle.train.guard import NONFINITE, OK, Guard, Verdict
 from ladle.train.loss import Loss
 from ladle.train.metrics import format_line
@@ -53,13 +54,31 @@ def config_changes(ckpt: Path, cfg: LadleConfig) -> list[str]:
     ]
 
 
+@dataclass
+class StepResult:
+    """One step as the loop logs and judges it: the unit's forward and backward over the global
+    batch, its update, and the loss's (and a recipe's) metrics by name."""
+
+    loss: float
+    tokens: int  # of the global batch, padding included
+    t_bwd: float  # perf_counter when backward ended (the step-time breakdown)
+    lr: float
+    grad_norm: float
+    finite: bool
+    skipped: bool
+    metrics: dict = field(default_factory=dict)
+    local: tuple[float, int] | None = None  # this rank's loss sum and count (a bad step's report)
+    verdict: Verdict | None = None
+    update_ratio: float | None = None  # on a logged step
+
+
 class TrainingDiverged(RuntimeError):
     """Too many bad steps in a row (non-finite, or skipped spikes), and no rollback left: the
     weights were never updated with them."""
 
 
 class OutOfMemory(RuntimeError):
-    """The device ran out of memory; the message holds the report (ladle.plan.oom_report)."""
+    """The device ran out of memory; the message holds the report (`oom_report`: ladle.plan's)."""
 
 
 class StopSignal:
@@ -101,7 +120,8 @@ class Trainer:
         eval_batches: Callable[[], Iterable[dict]] | None = None,
         parts: dict | None = None,  # other stateful parts to checkpoint, by name (a value model)
         name: str = POLICY,  # the unit's part in checkpoints (a group of a separated placement: "critic")
-        identity: dict | None = None,  # prelaunch.data_identity, when the caller has it
+        identity: dict | None = None,  # data.folder.data_identity, when the caller has it
+        oom_report: Callable[[int, int], str] | None = None,  # (rank, step) -> the report (ladle/plan)
     ):
         self.cfg, self.run, self.unit, self.loader, self.loss = cfg, run, unit, loader, loss
         self.parallel = unit.parallel
@@ -114,6 +134,7 @@ class Trainer:
         self.profiler = Profiler(cfg.profiler, self.run.dir, self.device, dist.rank())
         self.warnings = Warnings(cfg.profiler, accelerator=self.device.type != "cpu")
         self.name = name
+        self.oom_report = oom_report
         self.identity = identity or data_identity(cfg)  # the tokenizer and data, which a resume compares
         self.guard = Guard(cfg.guard)  # judges the policy's steps (a critic's only skips non-finite ones)
         self.step = 0
@@ -175,35 +196,36 @@ class Trainer:
         self.run.events(f"{kind}: step {self.step} (loop stalled {self.checkpointer.last_stall_s:.2f}s)")
 
     # -- one optimizer step ----------------------------------------------------------------
-    def train_step(self, micro: list[dict[str, torch.Tensor]]) -> dict:
+    def train_step(self, micro: list[dict[str, torch.Tensor]]) -> StepResult:
         """Forward and backward of the step's microbatches, then the update (unless the guard
-        skips it). Returns the record the loop logs: loss, lr, grad_norm, finite, skipped,
-        verdict, tokens, t_bwd, metrics, local (this rank's loss sum and count), update_ratio on
-        a logged step."""
+        skips it)."""
         result = self.unit.forward_backward(micro, self.loss, self.drill.at(self.step + 1))
         t = self.cfg.train
         logged = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.max_steps
         judge = self.guard.judge if self.name == POLICY else None
-        update = self.unit.step(result.loss, judge=judge, measure=logged)
-        return {
-            "loss": result.loss,
-            **update,
-            "tokens": result.tokens,
-            "t_bwd": result.t_bwd,
-            "metrics": result.metrics,
-            "local": result.local,
-        }
+        u = self.unit.step(result.loss, judge=judge, measure=logged)
+        return StepResult(
+            result.loss,
+            result.tokens,
+            result.t_bwd,
+            u.lr,
+            u.grad_norm,
+            u.finite,
+            u.skipped,
+            result.metrics,
+            result.local,
+            u.verdict,
+            u.update_ratio,
+        )
 
-    def after_step(self, out: dict) -> bool:
+    def after_step(self, out: StepResult) -> bool:
         """A bad step (ladle/train/guard.py) is an event naming the samples of its batch and the
         rank whose loss went wrong; after `guard.max_skips` skipped updates in a row the run rolls
         back to the last checkpoint (returns True), or stops with the report (TrainingDiverged)."""
-        v = out.get("verdict") or Verdict()
-        if not out["finite"] and v.kind != NONFINITE:  # a unit without a judge (PPO's critic)
-            v = Verdict(
-                NONFINITE, f"non-finite loss ({out['loss']}) or gradient norm ({out['grad_norm']})", True
-            )
-        skipped = v.skip or not out["finite"]
+        v = out.verdict or Verdict()
+        if not out.finite and v.kind != NONFINITE:  # a unit without a judge (PPO's critic)
+            v = Verdict(NONFINITE, f"non-finite loss ({out.loss}) or gradient norm ({out.grad_norm})", True)
+        skipped = v.skip or not out.finite
         if v.kind == OK:
             self.guard.skips = 0
             return False
@@ -218,12 +240,12 @@ class Trainer:
         self.recover(f"{g.skips} skipped steps in a row, the last at step {self.step} ({v.why}). {report}")
         return True
 
-    def batch_report(self, out: dict, v: Verdict) -> str:
+    def batch_report(self, out: StepResult, v: Verdict) -> str:
         """Which rank's loss went wrong, over which samples: every rank's loss sum and the sample
         indices its loader gave it, gathered (every rank reaches a bad step alike)."""
         mine = {
             "rank": dist.rank(),
-            "local": out.get("local") if self.name == POLICY else None,  # a critic's loss is not comparable
+            "local": out.local if self.name == POLICY else None,  # a critic's loss is not comparable
             "samples": self.loader.batch_samples() if hasattr(self.loader, "batch_samples") else None,
         }
         every = dist.all_gather_objects(mine)
@@ -318,21 +340,11 @@ class Trainer:
             try:
                 return self._fit()
             except torch.OutOfMemoryError as e:
-                from ladle.plan import oom_report
-
+                text = f"out of memory on rank {dist.rank()} in step {self.step + 1}"
                 try:
-                    text = oom_report(
-                        self.cfg,
-                        self.run.recipe,
-                        self.parallel.layout,
-                        self.device,
-                        dist.rank(),
-                        self.step + 1,
-                    )
+                    text = self.oom_report(dist.rank(), self.step + 1) if self.oom_report else text
                 except Exception as why:  # the report must not hide the error it reports
-                    text = (
-                        f"out of memory on rank {dist.rank()} in step {self.step + 1} ({why!r} in the report)"
-                    )
+                    text = f"{text} ({why!r} in the report)"
                 self.run.events(text, level="error")
                 raise OutOfMemory(text) from e
 
@@ -365,7 +377,7 @@ class Trainer:
                 dev.synchronize(self.device)
                 t_end = time.perf_counter()
                 self.step += 1
-                self.tokens_seen += out["tokens"]
+                self.tokens_seen += out.tokens
                 if self.after_step(out):  # rolled back: the loop goes on from the checkpoint's step
                     window = _new_window()
                     continue
@@ -376,15 +388,16 @@ class Trainer:
                 timers = {
                     "step_s": t_end - t0,
                     "data_s": self.loader.data_s,
-                    "fwd_bwd_s": out["t_bwd"] - t_data,
-                    "optim_s": t_end - out["t_bwd"],
+                    "gen_s": getattr(self.loader, "gen_s", 0.0),  # the RL recipes' rollouts
+                    "fwd_bwd_s": out.t_bwd - t_data,
+                    "optim_s": t_end - out.t_bwd,
                 }
                 window["steps"] += 1
-                window["tokens"] += out["tokens"]
+                window["tokens"] += out.tokens
                 for k, v in timers.items():
                     window[k] += v
                 self.report_profile(self.profiler.after(self.step, timers), bar)
-                bar.update(self.step, out["loss"])
+                bar.update(self.step, out.loss)
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     self.log_step(out, window, bar)
                     window = _new_window()
@@ -452,16 +465,16 @@ class Trainer:
         self.run.events(f"{text}\ntraces: {self.run.dir / 'profile'}", echo=False)
         self.run.write_card(profile={k: v for k, v in result.items()})
 
-    def log_step(self, out: dict, window: dict, bar) -> None:
+    def log_step(self, out: StepResult, window: dict, bar) -> None:
         n = max(1, window["steps"])
         tps = window["tokens"] / max(window["step_s"], 1e-9)
         mfu = tps * self.flops_per_token / (self.peak_tflops * 1e12 * dist.world_size())
         rec = {
             "step": self.step,
             "tokens": self.tokens_seen,
-            "loss": out["loss"],
-            "lr": out["lr"],
-            "grad_norm": out["grad_norm"],
+            "loss": out.loss,
+            "lr": out.lr,
+            "grad_norm": out.grad_norm,
             "tokens_per_s": tps,
             "mfu": mfu,
             "step_s": window["step_s"] / n,
@@ -469,25 +482,25 @@ class Trainer:
             "fwd_bwd_s": window["fwd_bwd_s"] / n,
             "optim_s": window["optim_s"] / n,
             "mem_peak_bytes": dev.peak_memory_bytes(self.device),
-            "skipped": out["skipped"],
+            "skipped": out.skipped,
         }
         reserved = dev.peak_reserved_bytes(self.device)
         if reserved is not None:  # the allocator's reserved peak: with mem_peak_bytes, fragmentation
             rec["mem_reserved_bytes"] = reserved
-        if "update_ratio" in out:
-            rec["update_ratio"] = out["update_ratio"]
+        if out.update_ratio is not None:
+            rec["update_ratio"] = out.update_ratio
         if self.unit.precision.loss_scale is not None:
             rec["loss_scale"] = self.unit.precision.loss_scale
         # the recipe's own, by the names its loss (and a loader that makes rollouts) gives them
         extra = self.loader.step_metrics() if hasattr(self.loader, "step_metrics") else {}
-        rec.update(out["metrics"])
+        rec.update(out.metrics)
         rec.update(extra)
         self.run.metrics.write(rec)
         if dist.is_main():
             for msg in self.warnings.check(rec):
                 self.run.events(msg, level="warning")
         self.last_record = rec
-        self.recipe_metrics = {**out["metrics"], **extra}
+        self.recipe_metrics = {**out.metrics, **extra}
         bar.print(format_line(rec, (*self.loss.console, *getattr(self.loader, "console", ()))))
 
 
@@ -506,4 +519,12 @@ def describe_samples(s: dict | None, data_dir: str) -> str:
 
 def _new_window() -> dict:
     """Sums over the steps since the last logged one (timings are reported as their means)."""
-    return {"steps": 0, "tokens": 0, "step_s": 0.0, "data_s": 0.0, "fwd_bwd_s": 0.0, "optim_s": 0.0}
+    return {
+        "steps": 0,
+        "tokens": 0,
+        "step_s": 0.0,
+        "data_s": 0.0,
+        "gen_s": 0.0,
+        "fwd_bwd_s": 0.0,
+        "optim_s": 0.0,
+    }

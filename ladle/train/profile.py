@@ -7,6 +7,8 @@ TensorBoard's profile plugin open. From the trace and the loop's own timers it s
 step time into:
 
 - data wait: the loop waiting for its batch (`data_s`);
+- generation: the RL recipes' rollouts, sampled and scored before the step's update (`gen_s`;
+  shown when a run generates);
 - optimizer: clipping and the optimizer step (`optim_s`);
 - compute: the union of compute intervals in forward and backward (device kernels on an
   accelerator; on a CPU, the forward and backward less the blocking collectives);
@@ -63,7 +65,8 @@ def _intersect(x, y) -> float:
 
 def breakdown(trace: dict, timers: dict, steps: int) -> dict:
     """Mean seconds a step per category, from a Chrome trace (dict) and the loop's summed timers
-    over the profiled steps (`step_s`, `data_s`, `fwd_bwd_s`, `optim_s`)."""
+    over the profiled steps (`step_s`, `data_s`, `fwd_bwd_s`, `optim_s`, and `gen_s` when the
+    run generates its batches)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if device:  # an accelerator: what its streams ran
@@ -82,12 +85,14 @@ def breakdown(trace: dict, timers: dict, steps: int) -> dict:
     out = {
         "step_s": step,
         "data_wait_s": timers["data_s"] / n,
+        "generation_s": timers.get("gen_s", 0.0) / n,
         "optimizer_s": timers["optim_s"] / n,
         "compute_s": compute_s / n,
         "comm_exposed_s": (comm_s - overlapped) / n,
         "comm_overlapped_s": overlapped / n,
     }
-    accounted = out["data_wait_s"] + out["optimizer_s"] + out["compute_s"] + out["comm_exposed_s"]
+    accounted = out["data_wait_s"] + out["generation_s"] + out["optimizer_s"] + out["compute_s"]
+    accounted += out["comm_exposed_s"]
     out["host_overhead_s"] = max(0.0, step - accounted)
     out["comm_share"] = (out["comm_exposed_s"] + out["comm_overlapped_s"]) / step if step else 0.0
     return out
@@ -100,6 +105,7 @@ def table(b: dict, first: int, last: int) -> str:
         ("communication, exposed", b["comm_exposed_s"]),
         ("communication, overlapped", b["comm_overlapped_s"]),
         ("data wait", b["data_wait_s"]),
+        *([("generation", b["generation_s"])] if b.get("generation_s") else []),
         ("optimizer", b["optimizer_s"]),
         ("host overhead", b["host_overhead_s"]),
     ]
@@ -118,7 +124,7 @@ class Profiler:
         self.first = cfg.start_step
         self.last = cfg.start_step + cfg.steps - 1
         self.prof = None
-        self.timers = {"step_s": 0.0, "data_s": 0.0, "fwd_bwd_s": 0.0, "optim_s": 0.0}
+        self.timers = {"step_s": 0.0, "data_s": 0.0, "gen_s": 0.0, "fwd_bwd_s": 0.0, "optim_s": 0.0}
         self.result: dict | None = None
 
     def before(self, step: int) -> None:

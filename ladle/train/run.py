@@ -26,47 +26,18 @@ import ladle
 from ladle import device as dev
 from ladle import distributed as dist
 from ladle import doctor
+from ladle.checkpoint.catalogue import describe
+from ladle.checkpoint.resume import job_id
 from ladle.config import LadleConfig
 from ladle.config.load import config_hash, to_yaml
-from ladle.train.checkpoint import (
-    describe,
-)
 from ladle.train.loggers import Loggers
 from ladle.train.metrics import ConsoleProgress, EventLog, MetricsWriter, make_console
 
 if TYPE_CHECKING:
-    from ladle.prelaunch import Resume
+    from ladle.checkpoint.resume import Resume
 
 
 # -- is this a restarted attempt of the job that wrote the run directory? -----------------------
-def job_id() -> str | None:
-    """This job's id, the same in each of its attempts: `ladle run --rdzv-id` (LADLE_JOB_ID; `ladle
-    launch slurm` sets the SLURM job id), else the SLURM job id. Recorded in run_card.json."""
-    return os.environ.get("LADLE_JOB_ID") or os.environ.get("SLURM_JOB_ID") or None
-
-
-def restart_reason(out: str | Path) -> str | None:
-    """Why this process is a restarted attempt of the job that wrote `out`, or None: torchrun
-    restarted the workers (--max-restarts), or the job recorded in the run card is this one: the
-    same --rdzv-id (a requeue, a replaced node) or a SLURM job that SLURM requeued. Runs within one
-    SLURM allocation share its id, so a plain SLURM id counts only once SLURM has restarted it."""
-    n = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if n:
-        return f"torchrun restarted the workers of this job ({n} restart{'s' * (n > 1)} so far)"
-    mine = job_id()
-    try:
-        theirs = (json.loads((Path(out) / "run_card.json").read_text()).get("job") or {}).get("id")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if mine is None or mine != theirs:
-        return None
-    if os.environ.get("LADLE_JOB_ID"):
-        return f"job {mine} (--rdzv-id) started again"
-    if int(os.environ.get("SLURM_RESTART_COUNT") or 0):
-        return f"SLURM requeued job {mine} (restart {os.environ['SLURM_RESTART_COUNT']})"
-    return None
-
-
 def _git_commit() -> str | None:
     src = Path(ladle.__file__).resolve().parent.parent
     try:

@@ -25,11 +25,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ladle import device as dev
 from ladle import watchdog
+from ladle.checkpoint.dcp import TRAINABLE
 from ladle.config import LadleConfig
 from ladle.models.moe import update_correction_bias
 from ladle.parallel.clip import clip_grad_norm_, total_norm
 from ladle.parallel.mesh import Parallel
-from ladle.train.checkpoint import TRAINABLE
+from ladle.train.guard import Verdict
 from ladle.train.loss import Loss, LossOut
 from ladle.train.optim import build_optimizer, build_scheduler
 from ladle.train.precision import Precision
@@ -45,6 +46,18 @@ class Result:
     metrics: dict = field(default_factory=dict)  # the loss's summarized metrics
     t_bwd: float = 0.0  # perf_counter when backward ended (for the step-time breakdown)
     local: tuple[float, int] | None = None  # this rank's loss sum and count (None: a stage without it)
+
+
+@dataclass
+class Update:
+    """What `TrainUnit.step` did with a step's gradients."""
+
+    lr: float  # the lr the step used
+    grad_norm: float
+    finite: bool  # the loss and the gradient norm were finite (or fp16's scaler owns the inf)
+    skipped: bool  # no update reached the weights (non-finite, the guard's skip, fp16's back-off)
+    verdict: Verdict | None = None  # the guard's, when it judged
+    update_ratio: float | None = None  # ||new - old|| / ||old||, on a measured step
 
 
 class TrainUnit:
@@ -63,6 +76,14 @@ class TrainUnit:
         self.grad_clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         self._shapes: dict = {}  # metric shapes under PP (known to the last stage), train and eval
 
+    @contextlib.contextmanager
+    def numerics(self):
+        """The training forward's numerics for forward-only passes that must match the loss's
+        (the RL recipes' sampling, old and reference log-probs): autocast, and loss-parallel
+        scoring of vocabulary shards under TP."""
+        with self.precision.autocast(), self.parallel.loss_context():
+            yield
+
     # -- one step --------------------------------------------------------------------------
     def forward_backward(self, micro: list[dict[str, torch.Tensor]], loss: Loss, inject=None) -> Result:
         # Every sum is divided by the count of the whole global batch, so the gradient does not
@@ -70,7 +91,7 @@ class TrainUnit:
         # (DDP, FSDP) average gradients over the ranks whose units differ (the data ranks, times
         # cp: context parallelism splits each sample's tokens), hence that factor; the ranks of a
         # TP or PP group share their units.
-        # `inject`: a fault drill's (ladle/train/faults.py): a stop before the first collective,
+        # `inject`: a fault drill's (ladle/faults.py): a stop before the first collective,
         # and the loss sums (so the gradients) scaled, a NaN or a spike
         par = self.parallel
         micro = [par.shard_sequence(b) for b in micro]
@@ -117,7 +138,7 @@ class TrainUnit:
             local=None if mine is None else (mine, local),
         )
 
-    def step(self, loss: float, judge=None, measure: bool = False) -> dict:
+    def step(self, loss: float, judge=None, measure: bool = False) -> Update:
         """Unscale, clip and apply the gradients, then advance the schedule. A non-finite loss or
         gradient norm never reaches the weights: the update is skipped (fp16's scaler backs off).
         `judge(loss, grad_norm, scaled=)`: the guard's Verdict (ladle/train/guard.py), whose
@@ -132,7 +153,7 @@ class TrainUnit:
         scaled = self.precision.scaler is not None
         verdict = judge(loss, grad_norm, scaled=scaled) if judge is not None else None
         finite = math.isfinite(loss) and (math.isfinite(grad_norm) or scaled)
-        out = {}
+        ratio = None
         if finite and not (verdict is not None and verdict.skip):
             params = [p for p in self.model.parameters() if p.requires_grad] if measure else []
             before = [p.detach().clone() for p in params]
@@ -140,7 +161,7 @@ class TrainUnit:
             if stepped and getattr(self, "moe_counts", None) is not None:
                 update_correction_bias(self.model, self.moe_counts)
             if measure:
-                out["update_ratio"] = self.update_ratio(before, params)
+                ratio = self.update_ratio(before, params)
         else:
             stepped = False
             if not finite and self.precision.scaler:  # back off as it would for inf gradients
@@ -148,14 +169,7 @@ class TrainUnit:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step used
         self.scheduler.step()
-        return {
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "finite": finite,
-            "skipped": not stepped,
-            "verdict": verdict,
-            **out,
-        }
+        return Update(lr, grad_norm, finite, not stepped, verdict, ratio)
 
     @torch.no_grad()
     def update_ratio(self, before: list[torch.Tensor], params: list[torch.Tensor]) -> float:

@@ -15,10 +15,10 @@ from test_grpo import grpo_config
 from test_ppo import ppo_config
 from test_sft import sft_config, sft_data  # noqa: F401
 
+from ladle.checkpoint.dcp import load_model_weights
 from ladle.config.load import build_config
 from ladle.models.llama import build_model
 from ladle.recipes import load
-from ladle.train.checkpoint import load_model_weights
 from ladle.train.metrics import read_metrics
 
 

@@ -1,4 +1,4 @@
-"""The config's fault switches (`faults.*`, ladle/train/faults.py): each fault ends with the run
+"""The config's fault switches (`faults.*`, ladle/faults.py): each fault ends with the run
 continuing correctly or stopping with the cause named. The rest of issue 18's suite joins here."""
 
 import math

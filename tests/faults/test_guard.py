@@ -14,13 +14,13 @@ import pytest
 import torch
 import yaml
 
+from ladle.checkpoint.catalogue import latest_checkpoint, read_trainer_state
 from ladle.config.load import build_config
 from ladle.config.schema import GuardConfig
 from ladle.data.loader import BatchLayout, PackedSamples, SampleOrder
 from ladle.data.prepare import open_split
 from ladle.errors import ConfigError
 from ladle.recipes import load
-from ladle.train.checkpoint import latest_checkpoint, read_trainer_state
 from ladle.train.guard import NONFINITE, OK, SPIKE, Guard
 from ladle.train.loop import TrainingDiverged
 from ladle.train.metrics import read_metrics
@@ -98,7 +98,7 @@ def test_the_update_ratio_is_the_update_norm_over_the_weight_norm(tiny_config):
     batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
     result = unit.forward_backward([batch], CausalLMLoss())
     old = [p.detach().clone() for p in unit.model.parameters()]
-    got = unit.step(result.loss, measure=True)["update_ratio"]
+    got = unit.step(result.loss, measure=True).update_ratio
     new = list(unit.model.parameters())
     delta = torch.cat([(n.detach() - o).flatten() for n, o in zip(new, old, strict=True)])
     want = float(delta.norm() / torch.cat([o.flatten() for o in old]).norm())

@@ -25,7 +25,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from ladle.bpe_cache import CachedBPE
+from ladle.data.bpe_cache import CachedBPE
 from ladle.data.sources import format_of, iter_documents, iter_files, no_files_message
 from ladle.errors import DataError
 

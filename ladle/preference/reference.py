@@ -105,7 +105,7 @@ def compute(model, samples, par, micro_batch_size: int, device, context) -> np.n
     data-parallel rank taking every dp_size-th batch; ranks of a TP group compute the same rows.
     `context()` is the training forward's (autocast, loss-parallel)."""
     from ladle.data.loader import collate
-    from ladle.train.preference import pad_multiple, pair_logps
+    from ladle.preference.losses import pad_multiple, pair_logps
 
     n = len(samples)
     out = torch.zeros(n, 2, dtype=torch.float64, device=device)

@@ -16,6 +16,8 @@ simple and exact; the rows of a rollout batch are small beside a forward pass.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as tdist
 
@@ -89,3 +91,61 @@ def serve(pair: Pair, models: dict, context) -> tuple[str, object]:
         with torch.no_grad(), context():
             out = models[name](*args, **kw)
         pair.send(out)
+
+
+class CriticSide:
+    """The loader of the critic's group in a separated placement: while the partner (an actor
+    rank) makes a rollout batch it answers its calls of the critic and the reward model
+    (`serve`); then it serves that batch's training rows, `reuse` steps over `minibatches`
+    slices, as the actor's rollout loader does (ladle/rl/loader.py). Validation answers the
+    reward model's calls."""
+
+    KEYS = ("tokens", "targets", "lengths", "old_values", "returns")  # what the critic trains on
+    console = ()
+
+    def __init__(self, pair: Pair, models: dict, context, reuse: int, minibatches: int):
+        self.pair, self.models, self.context = pair, models, context
+        self.reuse, self.minibatches = reuse, minibatches
+        self.cached: list[dict] | None = None
+        self.bounds: list[int] = []
+        self.uses = 0
+        self.data_s = 0.0  # no data of its own: the prompts are read by the actor's ranks
+        self.gen_s = 0.0  # waiting for the partner's rollouts (generation, scoring)
+
+    @staticmethod
+    def hand_over(pair: Pair, batches: list[dict], bounds: list[int]) -> None:
+        """The actor's side: a rollout batch's critic rows, in the same microbatches and minibatches."""
+        rows = [{k: b[k] for k in CriticSide.KEYS} for b in batches]
+        pair.tell("train", {"batches": rows, "bounds": bounds})
+
+    def _until(self, want: str):
+        kind, payload = serve(self.pair, self.models, self.context)
+        if kind != want:
+            raise RuntimeError(f"separated placement: the actor's rank said {kind!r} where {want!r} was due")
+        return payload
+
+    def next(self) -> list[dict]:
+        t0 = time.perf_counter()
+        if self.cached is None or self.uses >= self.reuse:
+            got = self._until("train")
+            self.cached, self.bounds, self.uses = got["batches"], got["bounds"], 0
+        self.gen_s = time.perf_counter() - t0
+        k = self.uses % self.minibatches
+        self.uses += 1
+        return self.cached[self.bounds[k] : self.bounds[k + 1]]
+
+    def validate(self, batches) -> dict:
+        self._until("validated")
+        return {}  # the actor's ranks log validation
+
+    def state_dict(self) -> dict:
+        return {}  # the prompts' position is the actor's (rank 0 writes the trainer state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cached, self.uses = None, 0
+
+    def step_metrics(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass

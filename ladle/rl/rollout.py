@@ -3,7 +3,7 @@ training processes, with the model as it is laid out for training.
 
 A response is a function of (seed, step, prompt index, sample index), not of the layout or the
 batch it was sampled in: each row draws its uniforms from its own generator, seeded from that key,
-and picks its token by the inverse of the cumulative distribution (`ladle.generation.sample`). So
+and picks its token by the inverse of the cumulative distribution (`ladle.models.generation.sample`). So
 1 process and 2 FSDP ranks, or any split into batches, sample the same responses, and runs can
 be compared exactly as for pretraining (up to the rounding of logits across batch shapes, which
 decides a token only when a uniform falls within it of a boundary).
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ladle import distributed as dist
-from ladle.generation import sample, stop_strings
+from ladle.models.generation import sample, stop_strings
 from ladle.train.loss import IGNORE_INDEX, token_logps
 
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
+from ladle.checkpoint.catalogue import read_config
+from ladle.checkpoint.dcp import load_model_weights, resolve_checkpoint
 from ladle.config import ModelConfig
 from ladle.errors import CheckpointError, DataError
-from ladle.train.checkpoint import load_model_weights, read_config, resolve_checkpoint
 
 
 def load_checkpoint_model(path: str | Path, device="cpu", dtype=torch.float32):
@@ -51,8 +52,8 @@ def load_checkpoint_model(path: str | Path, device="cpu", dtype=torch.float32):
 
 def load_any_model(path: str | Path, device="cpu", dtype=torch.float32, tokenizer: str | None = None):
     """A training checkpoint (or run directory) or a Hugging Face folder -> (model, tokenizer)."""
+    from ladle.data.tokenizer import load_tokenizer
     from ladle.models.hf import load_hf
-    from ladle.tokenizer import load_tokenizer
 
     p = Path(path)
     if (p / "config.json").is_file():
@@ -73,8 +74,8 @@ def load_any_model(path: str | Path, device="cpu", dtype=torch.float32, tokenize
 def export_hf(
     checkpoint: str | Path, out: str | Path, *, dtype: str = "float32", max_shard_gb: float = 5.0
 ) -> Path:
+    from ladle.data.tokenizer import load_tokenizer
     from ladle.models.hf import save_hf
-    from ladle.tokenizer import load_tokenizer
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model, mcfg, run_cfg = load_checkpoint_model(checkpoint)

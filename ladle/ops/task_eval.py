@@ -1,5 +1,5 @@
 """`ladle eval --task generate`: greedy answers to held-out chat prompts, scored against the
-reference answers (ladle/rewards.py).
+reference answers (ladle/rl/rewards.py).
 
 Each record of the jsonl (any SFT shape, ladle/data/sft.py) is a chat whose last message is the
 assistant's reference answer; the messages before it, rendered with the chat template and its
@@ -18,9 +18,9 @@ from ladle.data.chat import END_OF_TURN
 from ladle.data.sft import BadRecord, ChatEncoder, detect_format, to_messages
 from ladle.data.sources import iter_rows
 from ladle.errors import DataError
-from ladle.generation import generate
+from ladle.models.generation import generate
 from ladle.models.prepack import prepacked
-from ladle.rewards import Scorer, exact_match
+from ladle.rl.rewards import Scorer, exact_match
 
 
 def read_prompts(path: str | Path, encoder: ChatEncoder) -> list[tuple[list[int], str, str]]:

@@ -104,7 +104,7 @@ def evaluate_pairs(
     from ladle.data.loader import collate
     from ladle.data.pairs import PairSamples
     from ladle.data.preference import PreferenceSplit
-    from ladle.train.preference import pair_logps, pair_scores
+    from ladle.preference.losses import pair_logps, pair_scores
 
     pairs = PreferenceSplit(data_dir, split)
     if len(pairs) == 0:

@@ -1,0 +1,157 @@
+"""Everything checked before a run starts, in one place: `ladle validate`, the parent of a
+multi-process `ladle run` (before torchrun starts N processes), `ladle launch slurm` and every
+training process call `check`, so each refusal comes before anything is written.
+
+- `model.init_from`: the model shape comes from the Hugging Face folder or ladle checkpoint it
+  names (ladle/checkpoint/init_from.py);
+- the tokenizer and the prepared data: they exist, agree with each other and the model, and hold
+  the kind of data the recipe declares (its `data_task`);
+- the parallel layout for the world size (`check_layout`, ladle/parallel/mesh.py), what the recipe
+  cannot run on, and whether the layout fits in the device's memory (ladle/plan);
+- the resume decision is ladle/checkpoint/resume.py's, taken after these checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ladle.checkpoint.init_from import resolve_config
+from ladle.config.schema import LadleConfig
+from ladle.data.folder import check_files, load_meta
+from ladle.data.tokenizer import load_tokenizer
+from ladle.device import pick_device
+from ladle.errors import ConfigError, DataError
+from ladle.parallel.mesh import check_layout
+from ladle.plan import check_fits
+from ladle.train import loggers
+
+
+class RecipeChecks(Protocol):
+    """What the checks ask of a recipe (ladle/recipes/base.py `Recipe` has each)."""
+
+    name: str
+    data_task: str  # the `ladle data prepare --task` its data comes from
+
+    def check_layout(self, cfg: LadleConfig, layout) -> None: ...  # what it cannot run on
+
+    def check_paths(self, cfg: LadleConfig) -> None: ...  # the other models it reads
+
+    def placement(self, cfg: LadleConfig) -> tuple[int, str] | None: ...  # a separated placement's groups
+
+
+@dataclass
+class Checked:
+    """What the checks found: the config with init_from resolved, the layout (when a world size
+    was given), the tokenizer and the data folder's meta.json (when paths were checked)."""
+
+    cfg: LadleConfig
+    layout: object = None  # ladle.parallel.mesh.Layout
+    tokenizer: object = None  # ladle.data.tokenizer.Tokenizer
+    meta: dict | None = None
+
+    def __getitem__(self, key):  # found["tokenizer"], found["meta"]
+        return getattr(self, key)
+
+
+def check(
+    cfg: LadleConfig, recipe: RecipeChecks | None = None, world: int = 0, paths: bool = True
+) -> Checked:
+    """The config as every process will see it: `init_from` resolved, tokenizer and data checked
+    against each other, the model and the recipe's data task (unless paths=False: they exist only
+    on the cluster), and the parallel layout for `world` processes (when given)."""
+    found = Checked(cfg)
+    loggers.check(cfg)
+    if paths:
+        check_output_dir(cfg)
+        found.cfg = cfg = resolve_config(cfg)
+        found.tokenizer = check_tokenizer(cfg)
+        found.meta = check_data(cfg, found.tokenizer)
+    if paths and recipe is not None:
+        check_data_task(cfg, recipe, found.meta)
+        recipe.check_paths(cfg)  # the other models a recipe reads
+    if world:
+        placement = recipe.placement(cfg) if recipe is not None else None
+        found.layout = check_layout(cfg, world, *(placement or ()))
+        if recipe is not None:  # what a recipe cannot run on (the pair recipes: pp, cp)
+            recipe.check_layout(cfg, found.layout)
+        if cfg.device.memory_check:
+            check_memory(cfg, recipe.name if recipe is not None else "pretrain", found.layout)
+    return found
+
+
+def check_memory(cfg: LadleConfig, recipe: str, layout) -> None:
+    """The planner's peak against the device's memory (ladle/plan): refused with the figures and
+    the remedies when it does not fit; nothing to check on a CPU unless device.memory is set."""
+    check_fits(cfg, recipe, layout, pick_device(cfg.train.device))
+
+
+def check_data_task(cfg: LadleConfig, recipe: RecipeChecks, meta: dict) -> None:
+    """The data is the kind the recipe trains on (meta.json's "task"; pretraining data has none)."""
+    want, task = recipe.data_task, meta.get("task", "pretrain")
+    if task != want:
+        how = (
+            "`ladle data prepare` (no --task)"
+            if want == "pretrain"
+            else f"`ladle data prepare --task {want}`"
+        )
+        raise DataError(
+            f"data.path {cfg.data.path} holds {task} data, but recipe {recipe.name} trains on {want} data; "
+            f"prepare it with {how}" + (f", or use `ladle run {task}`" if task in ("pretrain", "sft") else "")
+        )
+
+
+def check_output_dir(cfg: LadleConfig) -> None:
+    """output_dir is a folder (or will be) and lies outside the run's data and tokenizer: a run
+    never writes its checkpoints among them. (A starting model's folder is the resume check's:
+    a run directory there holds checkpoints.)"""
+    out = Path(cfg.output_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"output_dir {cfg.output_dir} exists and is not a folder; choose another output_dir"
+        )
+    for key, value in (
+        ("data.path", cfg.data.path),
+        ("tokenizer.path", cfg.tokenizer.path),
+    ):
+        if not value:
+            continue
+        inp = Path(value).resolve()
+        if out == inp or inp in out.parents:
+            raise ConfigError(
+                f"output_dir {cfg.output_dir} is {'' if out == inp else 'inside '}{key} {value}: the run would "
+                "write among its inputs; choose an output_dir elsewhere"
+            )
+
+
+# -- tokenizer and data ------------------------------------------------------------------------
+def check_tokenizer(cfg: LadleConfig):
+    tok = load_tokenizer(cfg.tokenizer.path)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the vocabulary of the tokenizer at "
+            f"{cfg.tokenizer.path} ({tok.vocab_size} tokens); set model.vocab_size to at least "
+            f"{tok.vocab_size} (a multiple of 64 runs fastest: {-(-tok.vocab_size // 64) * 64})"
+        )
+    return tok
+
+
+def check_data(cfg: LadleConfig, tok) -> dict:
+    """The prepared data exists, was made with this tokenizer, and fits the model."""
+    meta = load_meta(cfg.data.path)
+    check_files(cfg.data.path, meta, checksums=cfg.data.verify == "checksums")
+    theirs = meta.get("tokenizer_hash")
+    if theirs and theirs != tok.hash:
+        raise DataError(
+            f"data.path {cfg.data.path} was prepared with a different tokenizer "
+            f"({meta.get('tokenizer_path')}, sha256 {theirs[:12]}) than tokenizer.path {cfg.tokenizer.path} "
+            f"(sha256 {tok.hash[:12]}); point tokenizer.path at the tokenizer the data was prepared with, "
+            f"or run `ladle data prepare --tokenizer {cfg.tokenizer.path} ...` again"
+        )
+    if int(meta.get("vocab_size", 0)) > cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.path {cfg.data.path} holds token ids up to {meta['vocab_size'] - 1}, beyond "
+            f"model.vocab_size ({cfg.model.vocab_size}); raise model.vocab_size"
+        )
+    return meta

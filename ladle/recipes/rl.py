@@ -1,0 +1,96 @@
+"""What the RL recipes (GRPO, PPO) share: prompt rows (`ladle data prepare --task prompts`), the
+layouts rollouts run on, and the rollout loader assembled from the run's models: the policy
+generating through the in-process engine, the rewards, the reference and reward model parked in
+host memory while idle. The machinery is ladle/rl/; a recipe says what differs (its loss, its
+models, its advantage)."""
+
+from __future__ import annotations
+
+from ladle.config import LadleConfig
+from ladle.data.prompts import PromptSamples, PromptSplit
+from ladle.errors import ConfigError
+from ladle.recipes.base import Recipe, Setup
+from ladle.rl import roles
+from ladle.rl.engine import LocalEngine
+from ladle.rl.loader import RolloutLoader, end_ids
+from ladle.rl.roles import Parking
+
+
+class RLRecipe(Recipe):
+    """A recipe trained on its own rollouts of prompts; `section`: its config section's name."""
+
+    data_task = "prompts"  # `ladle data prepare --task prompts`
+    rollouts = True
+    section = ""
+
+    def check_layout(self, cfg: LadleConfig, layout) -> None:
+        for name, degree in (("pp", layout.pp), ("cp", layout.cp)):
+            if degree > 1:
+                raise ConfigError(
+                    f"parallel.{name}={degree}: the RL recipes' rollouts run with data parallelism, FSDP and TP, "
+                    f"not yet with {name.upper()}; set parallel.{name}: 1"
+                )
+
+    def check_paths(self, cfg: LadleConfig) -> None:
+        roles.check_paths(cfg)
+
+    def samples(self, cfg: LadleConfig, split: str, found) -> PromptSamples:
+        tok = found["tokenizer"]
+        cap = getattr(cfg, self.section).max_response_len
+        room = cfg.data.seq_len - cap  # a row: prompt + response
+        if room < 1:
+            raise ConfigError(
+                f"{self.section}.max_response_len ({cap}) leaves no room for a prompt in "
+                f"data.seq_len ({cfg.data.seq_len}), the length of prompt + response"
+            )
+        pad = tok.pad_id if tok.pad_id is not None else 0
+        return PromptSamples(PromptSplit(cfg.data.path, split), room, pad_id=pad, name=split)
+
+
+def every_batch(cfg: LadleConfig, steps: int, name: str) -> None:
+    """Checkpoints fall between rollout batches, never among the updates of one."""
+    if cfg.checkpoint.every and cfg.checkpoint.every % steps:
+        raise ConfigError(
+            f"checkpoint.every ({cfg.checkpoint.every}) must be a multiple of {name} ({steps}): a "
+            "checkpoint inside a rollout batch's updates would resume without its old log-probs"
+        )
+
+
+def rollout_loader(
+    s: Setup, inner, section, rewards: tuple, *, reference=None, reward_model=None, **kw
+) -> RolloutLoader:
+    """The loop's loader of rollout batches made from `inner`'s prompts: the policy generates in
+    this process (`LocalEngine`), the rule `rewards` (`roles.load_rewards`: the terms and the
+    prompts' records) and `reward_model` score, `reference` gives the KL's log-probs; `kw`:
+    RolloutLoader's (advantages, reuse, ...)."""
+    tok = s.found["tokenizer"]
+    rewards, records = rewards
+    parking = Parking(s.device, enabled=section.offload_idle)
+    parking.add("reference", reference)
+    parking.add("reward", reward_model)
+    engine = LocalEngine(
+        s.unit.model,
+        seed=s.cfg.seed,
+        end_ids=end_ids(tok),
+        decode=tok.decode,
+        pad_id=tok.pad_id if tok.pad_id is not None else 0,
+        batch_size=section.rollout_batch,
+        group=s.par.group,  # the ranks of the model's layout (this group of a separated placement)
+        seq_multiple=s.par.layout.tp,
+        context=s.unit.numerics,
+    )
+    return RolloutLoader(
+        inner,
+        section=section,
+        engine=engine,
+        tokenizer=tok,
+        rewards=rewards,
+        records=records,
+        unit=s.unit,
+        seed=s.cfg.seed,
+        parking=parking,
+        reference=reference,
+        reward_model=reward_model,
+        reward_weight=s.cfg.rewards.model_weight,
+        **kw,
+    )

@@ -1,0 +1,77 @@
+"""Where rollouts come from: prompts + sampling settings + the policy's current weights -> responses
+with the log-probs they were sampled with. The RL recipes ask a `RolloutEngine` and nothing else,
+so another engine (an inference server with its own copy of the weights) can stand behind the
+same two calls: `sync_weights()` before a batch is generated (the trained weights reach the
+engine), `generate(...)` for the responses.
+
+`LocalEngine` samples with the training model itself, laid out as it trains (FSDP, TP), inside
+the training processes (ladle/rl/rollout.py `rollout`): its weights are always current.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from ladle.rl.rollout import Rollouts, Sampling, rollout
+
+
+class RolloutEngine:
+    """The interface of a rollout engine."""
+
+    def sync_weights(self) -> None:
+        """Make the policy's current weights the ones `generate` samples with."""
+        raise NotImplementedError
+
+    def generate(
+        self, prompts: list[list[int]], prompt_index: list[int], sampling: Sampling, *, step: int
+    ) -> Rollouts:
+        """`sampling.n` responses to each prompt (token ids), in prompt order, each with its
+        sampling log-probs. `prompt_index` (global indices) and `step` key the random streams,
+        so a response does not depend on the batch or layout it was sampled in."""
+        raise NotImplementedError
+
+
+class LocalEngine(RolloutEngine):
+    """Samples with the training model in the training processes. `context`: the training
+    forward's numerics (autocast; loss-parallel under TP), so sampling log-probs match the
+    loss's; `group`: the ranks of the model's layout, which generate in step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        seed: int,
+        end_ids: set[int],
+        decode: Callable[[list[int]], str],
+        pad_id: int,
+        batch_size: int,
+        group=None,
+        seq_multiple: int = 1,
+        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
+        self.model, self.seed, self.end_ids, self.decode = model, seed, end_ids, decode
+        self.pad_id, self.batch_size, self.group, self.seq_multiple = pad_id, batch_size, group, seq_multiple
+        self.context = context
+
+    def sync_weights(self) -> None:
+        pass  # the model it samples with is the one being trained
+
+    def generate(self, prompts, prompt_index, sampling: Sampling, *, step: int) -> Rollouts:
+        with self.context():
+            return rollout(
+                self.model,
+                prompts,
+                prompt_index,
+                sampling,
+                seed=self.seed,
+                step=step,
+                end_ids=self.end_ids,
+                decode=self.decode,
+                pad_id=self.pad_id,
+                batch_size=self.batch_size,
+                group=self.group,
+                seq_multiple=self.seq_multiple,
+            )
