@@ -20,7 +20,7 @@ from ladle.plan import Target, estimate, micro
 from ladle.plan import activations as act
 from ladle.plan import memory as mem
 from ladle.plan.measure import SavedTensors, state_bytes
-from ladle.train.builder import build_model
+from ladle.train.builder import build_laid_out
 from ladle.train.loss import CausalLMLoss
 from ladle.train.optim import build_optimizer
 
@@ -53,7 +53,7 @@ cfg = LadleConfig.model_validate(
 device = torch.device("cpu")
 lay = check_layout(cfg, world)
 par = Parallel(lay, device)
-built = build_model(cfg, par, device)
+built = build_laid_out(cfg, par, device)
 net = built.model
 opt = build_optimizer(net, cfg.optim, device)
 loss = CausalLMLoss(cfg.model.moe)

@@ -154,12 +154,12 @@ def test_checkpoint_of_named_parts_round_trips_with_the_policy_at_the_top(tmp_pa
 
 
 def test_a_frozen_copy_is_built_like_the_policy_without_adapters(tmp_path):
-    from ladle.train.builder import build_model
+    from ladle.train.builder import build_laid_out
 
     cfg = _cfg(tmp_path, "lora.rank=4", "activation_checkpoint.mode=full")
     par = Parallel(Layout(), CPU)
-    policy = build_model(cfg, par, CPU).model
-    ref = build_model(cfg, par, CPU, trainable=False).model
+    policy = build_laid_out(cfg, par, CPU).model
+    ref = build_laid_out(cfg, par, CPU, trainable=False).model
     trained = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert trained and all(".lora_" in n for n in trained)
     assert not any(".lora_" in n for n, _ in ref.named_parameters())

@@ -423,3 +423,32 @@ def test_batch_wide_advantages_are_over_the_global_batch(kind, scale):
     group_advantages(batches, section, group=None)
     got = torch.cat([b["advantages"] for b in batches])
     assert torch.allclose(got, advantages(rewards, 2, kind, scale), atol=1e-6)
+
+
+def test_generation_is_timed_as_gen_s_never_as_data_s():
+    # the loop's data_s is the prompts' read; generating and scoring the batch is gen_s, and a
+    # batch's later uses (num_iterations) neither read nor generate
+    import time
+
+    from ladle.rl.loader import RolloutLoader
+    from ladle.rl.roles import Parking
+
+    inner = SimpleNamespace(consumed_samples=0, global_batch=2, data_s=0.0)
+
+    def read():
+        inner.data_s = 0.01
+        return [{"prompt": None}]
+
+    def make(micro, step):
+        time.sleep(0.05)
+        loader.bounds = [0, 1]
+        return [{"tokens": None}]
+
+    inner.next = read
+    loader = object.__new__(RolloutLoader)
+    loader.inner, loader.reuse, loader.minibatches, loader.cached, loader.uses = inner, 2, 1, None, 0
+    loader.parking, loader.trained, loader.make = Parking(torch.device("cpu")), (), make
+    assert loader.next() == [{"tokens": None}]
+    assert loader.data_s == 0.01 and loader.gen_s >= 0.05
+    assert loader.next() == [{"tokens": None}]
+    assert loader.data_s == 0.0 and loader.gen_s == 0.0

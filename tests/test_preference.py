@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from ladle.cli import main
+from ladle.data.driver import BadRecord
 from ladle.data.preference import PreferenceSplit, parse_hh, prepare_preference, to_pair
-from ladle.data.sft import BadRecord, ChatEncoder
+from ladle.data.sft import ChatEncoder
 from ladle.data.tokenizer import load_tokenizer
 from ladle.errors import DataError
 

@@ -12,8 +12,9 @@ from conftest import make_tiny_config
 from ladle.cli import main
 from ladle.config.load import build_config
 from ladle.data.chat import BUILTIN
+from ladle.data.driver import BadRecord
 from ladle.data.packing import SFTSamples
-from ladle.data.sft import BadRecord, ChatEncoder, SFTSplit, check_roles, prepare_sft, to_messages
+from ladle.data.sft import ChatEncoder, SFTSplit, check_roles, prepare_sft, to_messages
 from ladle.data.tokenizer import load_tokenizer
 from ladle.errors import DataError
 from ladle.models.llama import build_model

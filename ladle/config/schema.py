@@ -2,7 +2,7 @@
 
 Every section forbids unknown keys (the loader turns that into a "did you mean" hint) and checks
 its own ranges; checks that span sections live in `LadleConfig`. Checks that need the file system
-(tokenizer vocabulary, prepared data) live in `ladle.prelaunch`, so this module stays pure.
+(tokenizer vocabulary, prepared data) live in `ladle.launch.checks`, so this module stays pure.
 """
 
 from __future__ import annotations
@@ -653,7 +653,7 @@ class RolloutConfig(Section):
 
 class GRPOConfig(RolloutConfig):
     """Group relative policy optimisation on the policy's own rollouts (`ladle run grpo`,
-    ladle/train/grpo.py, docs/rl.md)."""
+    ladle/rl/algorithms.py, docs/rl.md)."""
 
     num_samples: int = Field(
         8,
@@ -725,7 +725,7 @@ class GRPOConfig(RolloutConfig):
 
 
 class PPOConfig(RolloutConfig):
-    """Proximal policy optimisation with a value model (`ladle run ppo`, ladle/train/ppo.py,
+    """Proximal policy optimisation with a value model (`ladle run ppo`, ladle/rl/advantages.py,
     docs/rl.md)."""
 
     num_samples: int = Field(1, ge=1, description="responses sampled per prompt")

@@ -26,27 +26,14 @@ from __future__ import annotations
 
 import os
 import re
-import sys
-import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from ladle.data.folder import (
-    BadRecords,
-    FolderWriter,
-    SplitWriter,
-    bad_reasons,
-    bad_summary,
-    chat_meta,
-    in_val,
-)
-from ladle.data.indexed import dtype_for_vocab
-from ladle.data.sft import OVERLONG, BadRecord, ChatEncoder, SFTSplit, check_roles
-from ladle.data.sources import iter_files, iter_rows, no_files_message
-from ladle.data.tokenizer import load_tokenizer
+from ladle.data.driver import BadRecord, ChatTask, prepare_with
+from ladle.data.sft import OVERLONG, ChatEncoder, SFTSplit, check_roles
 from ladle.errors import DataError
 
 TASK = "preference"
@@ -140,6 +127,70 @@ def _message(m, field: str) -> dict:
 
 
 # -- the prepared folder ------------------------------------------------------------------------
+class PreferenceTask(ChatTask):
+    """Pairs to two sequences each, chosen then rejected, with their completions' loss masks."""
+
+    name = TASK
+    nouns = "preference pairs"
+    nouns_key = "pairs"
+
+    def __init__(self, template, max_len, overlong, **kw):
+        super().__init__(**kw)
+        self.template, self.max_len, self.overlong = template, max_len, overlong
+        self.shapes: Counter[str] = Counter()
+
+    def check(self) -> None:
+        if self.overlong not in OVERLONG:
+            raise DataError(f"--overlong {self.overlong!r}: choose one of {', '.join(OVERLONG)}")
+        if self.max_len < 2:
+            raise DataError(f"--max-len must be at least 2, got {self.max_len}")
+
+    def start(self, tok) -> None:
+        self.encoder = ChatEncoder(tok, self.template, mask="last_turn")
+
+    def encode(self, obj: dict):
+        prompt, chosen, rejected, shape = to_pair(obj)
+        sides = [self.encoder.encode([*prompt, m]) for m in (chosen, rejected)]
+        over = any(len(ids) > self.max_len for ids, _ in sides)
+        if over and self.overlong == "drop":
+            self.counts["dropped_overlong"] += 1
+            return None
+        sides = [(ids[: self.max_len], mask[: self.max_len]) for ids, mask in sides]
+        if not all(mask[1:].any() for _, mask in sides):  # the first token is never a target
+            raise BadRecord("a completion is empty after truncation (raise --max-len)")
+        self.counts["truncated"] += over
+        self.shapes[shape] += 1
+        return sides, None
+
+    def split_fields(self, split, tokens, masks) -> dict:
+        return {
+            "mask_shards": masks.shards,
+            "pairs": tokens.documents // 2,
+            "trained_tokens": self.counts.pop(f"{split}_trained_tokens", 0),
+        }
+
+    def stats(self) -> dict:
+        return {
+            "record_shapes": dict(self.shapes),
+            "truncated": self.counts["truncated"],
+            "dropped_overlong": self.counts["dropped_overlong"],
+        }
+
+    def meta(self, tok, dtype, inputs, stats) -> dict:
+        options = {"max_len": self.max_len, "overlong": self.overlong}
+        return self.chat_meta(tok, dtype, inputs, self.encoder.template_name, options, stats)
+
+    def summary(self, meta: dict, out: Path, seconds: float) -> str:
+        tr, va = meta["splits"]["train"], meta["splits"]["val"]
+        shapes = ", ".join(f"{k} {v:,}" for k, v in meta["record_shapes"].items())
+        return (
+            f"prepared {tr['pairs'] + va['pairs']:,} preference pairs ({shapes}; template {meta['template']}): "
+            f"train {tr['pairs']:,} / {tr['tokens']:,} tokens, val {va['pairs']:,} / {va['tokens']:,} tokens; "
+            f"{meta['truncated']} truncated, {meta['dropped_overlong']} dropped as over {meta['max_len']} tokens, "
+            f"in {seconds:.1f}s -> {out}"
+        )
+
+
 def prepare_preference(
     inputs: Sequence[str | os.PathLike],
     *,
@@ -158,117 +209,25 @@ def prepare_preference(
 ) -> dict:
     """Tokenize the preference pairs of `inputs` into the folder `output` (written beside it and
     renamed into place when complete); return its meta.json."""
-    if isinstance(inputs, str | os.PathLike):
-        inputs = [inputs]
-    inputs = [str(i) for i in inputs]
-    if overlong not in OVERLONG:
-        raise DataError(f"--overlong {overlong!r}: choose one of {', '.join(OVERLONG)}")
-    if max_len < 2:
-        raise DataError(f"--max-len must be at least 2, got {max_len}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    tok = load_tokenizer(tokenizer)
-    encoder = ChatEncoder(tok, template, mask="last_turn")
-    out = FolderWriter(output)
-    if next(iter_files(inputs, glob, exclude, skip=out.skip), None) is None:
-        raise DataError(no_files_message(inputs, glob, exclude))
-    dtype = dtype_for_vocab(tok.vocab_size)
-    t0 = time.perf_counter()
-    with out:
-        rows = iter_rows(inputs, glob=glob, exclude=exclude, skip=out.skip)
-        stats = _encode_into(
-            out.tmp, rows, encoder, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
-        )
-        meta = chat_meta(
-            TASK,
-            tok,
-            dtype,
-            encoder.template_name,
-            inputs,
-            seed,
-            val_fraction,
-            max_len=max_len,
-            overlong=overlong,
-            **stats,
-        )
-        if not meta["splits"]["train"]["pairs"]:
-            reasons = bad_reasons(meta)
-            raise DataError(
-                f"no usable preference pairs in {', '.join(inputs)}: {reasons or 'the files hold no records'}"
-            )
-        out.commit(meta)
-    if progress:
-        _print_summary(meta, out.out, time.perf_counter() - t0)
-    return meta
-
-
-def _encode_into(
-    folder, rows: Iterator, encoder, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
-):
-    tokens = {s: SplitWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
-    masks = {s: SplitWriter(folder, f"{s}_mask", np.uint8, shard_tokens) for s in ("train", "val")}
-    skip = BadRecords(strict)
-    counts: Counter[str] = Counter()
-    shapes: Counter[str] = Counter()
-
-    try:
-        for ordinal, (source, obj, reason) in enumerate(rows, start=1):
-            if reason is not None:
-                skip(source, reason)
-                continue
-            try:
-                prompt, chosen, rejected, shape = to_pair(obj)
-                sides = [encoder.encode([*prompt, m]) for m in (chosen, rejected)]
-                over = any(len(ids) > max_len for ids, _ in sides)
-                if over and overlong == "drop":
-                    counts["dropped_overlong"] += 1
-                    continue
-                sides = [(ids[:max_len], mask[:max_len]) for ids, mask in sides]
-                if not all(mask[1:].any() for _, mask in sides):  # the first token is never a target
-                    raise BadRecord("a completion is empty after truncation (raise --max-len)")
-            except BadRecord as e:
-                skip(source, str(e))
-                continue
-            counts["truncated"] += over
-            shapes[shape] += 1
-            split = "val" if val_fraction and in_val(seed, ordinal, val_fraction) else "train"
-            for ids, mask in sides:  # chosen, then rejected
-                tokens[split].add(ids.astype(dtype))
-                masks[split].add(mask.astype(np.uint8))
-                counts[f"{split}_trained_tokens"] += int(mask[1:].sum())
-        for w in (*tokens.values(), *masks.values()):
-            w.close()
-    except BaseException:
-        for w in (*tokens.values(), *masks.values()):
-            w.abort()
-        raise
-    splits = {
-        s: {**w.summary(), "mask_shards": masks[s].shards, "pairs": w.documents // 2}
-        for s, w in tokens.items()
-    }
-    for s in splits:
-        splits[s]["trained_tokens"] = counts.pop(f"{s}_trained_tokens", 0)
-    return {
-        "splits": splits,
-        "record_shapes": dict(shapes),
-        "truncated": counts["truncated"],
-        "dropped_overlong": counts["dropped_overlong"],
-        **skip.meta(),
-    }
-
-
-def _print_summary(meta: dict, out: Path, seconds: float) -> None:
-    tr, va = meta["splits"]["train"], meta["splits"]["val"]
-    shapes = ", ".join(f"{k} {v:,}" for k, v in meta["record_shapes"].items())
-    print(
-        f"prepared {tr['pairs'] + va['pairs']:,} preference pairs ({shapes}; template {meta['template']}): "
-        f"train {tr['pairs']:,} / {tr['tokens']:,} tokens, val {va['pairs']:,} / {va['tokens']:,} tokens; "
-        f"{meta['truncated']} truncated, {meta['dropped_overlong']} dropped as over {meta['max_len']} tokens, "
-        f"in {seconds:.1f}s -> {out}",
-        file=sys.stderr,
+    task = PreferenceTask(
+        template,
+        max_len,
+        overlong,
+        val_fraction=val_fraction,
+        seed=seed,
+        strict=strict,
+        shard_tokens=shard_tokens,
     )
-    if summary := bad_summary(meta):
-        print(summary, file=sys.stderr)
+    return prepare_with(
+        task,
+        inputs,
+        tokenizer=tokenizer,
+        output=output,
+        glob=glob,
+        exclude=exclude,
+        val_fraction=val_fraction,
+        progress=progress,
+    )
 
 
 class PreferenceSplit:

@@ -27,22 +27,21 @@ from pathlib import Path
 
 import numpy as np
 
+from ladle.data.driver import Task, prepare_with
 from ladle.data.folder import (
     FORMAT,
     SPLITS,
     VERSION,
     BadRecords,
-    FolderWriter,
     SplitWriter,
     bad_reasons,
-    bad_summary,
     in_val,
     load_meta,
     tokenizer_fields,
 )
-from ladle.data.indexed import IndexedDataset, dtype_for_vocab
-from ladle.data.sources import Record, iter_documents, iter_files, no_files_message
-from ladle.data.tokenizer import Tokenizer, load_tokenizer
+from ladle.data.indexed import IndexedDataset
+from ladle.data.sources import Record, iter_documents
+from ladle.data.tokenizer import Tokenizer
 from ladle.errors import DataError
 
 CHUNK_DOCS = 512  # a chunk (one unit of work for a worker) closes at this many documents
@@ -52,6 +51,84 @@ CHUNK_CHARS = 1 << 18  # ... or this many characters of text (small enough to ba
 def default_workers() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cpus, 8))
+
+
+class TextTask(Task):
+    """Documents of text to token ids, EOS appended, tokenized on worker processes."""
+
+    def __init__(self, fmt, text_field, workers, val_fraction, strict, seed, shard_tokens, progress):
+        self.fmt, self.text_field, self.workers = fmt, text_field, workers
+        self.val_fraction, self.strict, self.seed = val_fraction, strict, seed
+        self.shard_tokens, self.progress = shard_tokens, progress
+
+    def check(self) -> None:
+        if self.workers < 1:
+            raise DataError(f"workers must be at least 1, got {self.workers}")
+        if self.shard_tokens < 1:
+            raise DataError(f"shard_tokens must be at least 1, got {self.shard_tokens}")
+
+    def start(self, tok: Tokenizer) -> None:
+        if tok.eos_id is None:
+            raise DataError(
+                f"tokenizer {tok.path} has no end-of-sequence token (set eos_token in its tokenizer_config.json); "
+                "prepare appends one to every document"
+            )
+
+    def write(self, folder, inputs, glob, exclude, skip, tok, dtype) -> dict:
+        self.glob, self.exclude = glob, exclude
+        records = iter_documents(
+            inputs, glob=glob, exclude=exclude, fmt=self.fmt, text_field=self.text_field, skip=skip
+        )
+        return _tokenize_into(
+            folder,
+            records,
+            tok,
+            dtype,
+            self.workers,
+            self.val_fraction,
+            self.seed,
+            self.shard_tokens,
+            self.strict,
+            self.progress,
+        )
+
+    def meta(self, tok, dtype, inputs, stats) -> dict:
+        self.seconds = stats["seconds"]
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            **tokenizer_fields(tok),
+            "dtype": dtype.name,
+            "splits": stats["splits"],
+            "bad_records": dict(stats["bad_counts"]),
+            "bad_examples": stats["bad_examples"],
+            "inputs": [str(Path(i).resolve()) for i in inputs],
+            "glob": self.glob,
+            "exclude": list(self.exclude or []),
+            "fmt": self.fmt,
+            "text_field": self.text_field,
+            "seed": self.seed,
+            "val_fraction": self.val_fraction,
+            "shard_tokens": self.shard_tokens,
+        }
+
+    def empty(self, meta: dict, inputs: list[str]) -> str | None:
+        if any(s["documents"] for s in meta["splits"].values()):
+            return None
+        reasons = bad_reasons(meta)
+        found = f"every record was bad ({reasons})" if reasons else "the files hold no records"
+        return f"no usable documents in {', '.join(inputs)}: {found}; fix the data or the --format/--text-field options"
+
+    def summary(self, meta: dict, out: Path, seconds: float) -> str:
+        seconds = self.seconds  # the tokenizing alone
+        train, val = meta["splits"]["train"], meta["splits"]["val"]
+        docs, tokens = train["documents"] + val["documents"], train["tokens"] + val["tokens"]
+        rate = f"{docs / seconds:,.0f} docs/s, {tokens / seconds:,.0f} tokens/s" if seconds else ""
+        return (
+            f"prepared {docs:,} documents, {tokens:,} tokens (train {train['documents']:,} docs / "
+            f"{train['tokens']:,} tokens, val {val['documents']:,} / {val['tokens']:,}) in {seconds:.1f}s, "
+            f"{rate} -> {out}"
+        )
 
 
 def prepare(
@@ -77,62 +154,20 @@ def prepare(
     leaves `output` as it was. An existing non-empty `output` is replaced only if it is a previous
     prepare output (has meta.json). `workers=1` tokenizes in this process; more workers are spawned
     processes, so a script that calls this needs the usual `if __name__ == "__main__":` guard.
+    `progress`: the progress bar (the summary is always printed).
     """
-    if isinstance(inputs, str | os.PathLike):
-        inputs = [inputs]
-    inputs = [str(i) for i in inputs]
     workers = default_workers() if workers is None else workers
-    if workers < 1:
-        raise DataError(f"workers must be at least 1, got {workers}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if shard_tokens < 1:
-        raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
-    tok = load_tokenizer(tokenizer)
-    if tok.eos_id is None:
-        raise DataError(
-            f"tokenizer {tok.path} has no end-of-sequence token (set eos_token in its tokenizer_config.json); "
-            "prepare appends one to every document"
-        )
-    out = FolderWriter(output)
-    if next(iter_files(inputs, glob, exclude, skip=out.skip), None) is None:
-        raise DataError(no_files_message(inputs, glob, exclude))
-
-    dtype = dtype_for_vocab(tok.vocab_size)
-    with out:
-        records = iter_documents(
-            inputs, glob=glob, exclude=exclude, fmt=fmt, text_field=text_field, skip=out.skip
-        )
-        stats = _tokenize_into(
-            out.tmp, records, tok, dtype, workers, val_fraction, seed, shard_tokens, strict, progress
-        )
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            **tokenizer_fields(tok),
-            "dtype": dtype.name,
-            "splits": stats["splits"],
-            "bad_records": dict(stats["bad_counts"]),
-            "bad_examples": stats["bad_examples"],
-            "inputs": [str(Path(i).resolve()) for i in inputs],
-            "glob": glob,
-            "exclude": list(exclude or []),
-            "fmt": fmt,
-            "text_field": text_field,
-            "seed": seed,
-            "val_fraction": val_fraction,
-            "shard_tokens": shard_tokens,
-        }
-        if not any(s["documents"] for s in meta["splits"].values()):
-            reasons = bad_reasons(meta)
-            found = f"every record was bad ({reasons})" if reasons else "the files hold no records"
-            raise DataError(
-                f"no usable documents in {', '.join(inputs)}: {found}; "
-                "fix the data or the --format/--text-field options"
-            )
-        out.commit(meta)
-    _print_summary(meta, out.out, stats["seconds"])
-    return meta
+    task = TextTask(fmt, text_field, workers, val_fraction, strict, seed, shard_tokens, progress)
+    return prepare_with(
+        task,
+        inputs,
+        tokenizer=tokenizer,
+        output=output,
+        glob=glob,
+        exclude=exclude,
+        val_fraction=val_fraction,
+        summary=True,
+    )
 
 
 def _tokenize_into(
@@ -290,20 +325,6 @@ class _ProgressBar:
         if self._progress is not None:
             rates = f"{docs / seconds:,.0f} docs/s  {tokens / seconds:,.0f} tokens/s" if seconds else ""
             self._progress.update(self._task, completed=docs, tokens=tokens, rates=rates)
-
-
-def _print_summary(meta: dict, out: Path, seconds: float) -> None:
-    train, val = meta["splits"]["train"], meta["splits"]["val"]
-    docs, tokens = train["documents"] + val["documents"], train["tokens"] + val["tokens"]
-    rate = f"{docs / seconds:,.0f} docs/s, {tokens / seconds:,.0f} tokens/s" if seconds else ""
-    print(
-        f"prepared {docs:,} documents, {tokens:,} tokens (train {train['documents']:,} docs / "
-        f"{train['tokens']:,} tokens, val {val['documents']:,} / {val['tokens']:,}) in {seconds:.1f}s, "
-        f"{rate} -> {out}",
-        file=sys.stderr,
-    )
-    if summary := bad_summary(meta):
-        print(summary, file=sys.stderr)
 
 
 class TokenStream:

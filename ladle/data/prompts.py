@@ -20,28 +20,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ladle.data.driver import BadRecord, ChatTask, kept_line, prepare_with
 from ladle.data.folder import (
-    BadRecords,
-    FolderWriter,
-    SplitWriter,
-    bad_reasons,
-    bad_summary,
-    chat_meta,
-    in_val,
     load_meta,
 )
-from ladle.data.indexed import IndexedDataset, dtype_for_vocab
-from ladle.data.sft import BadRecord, ChatEncoder, check_roles
-from ladle.data.sources import iter_files, iter_rows, no_files_message
-from ladle.data.tokenizer import load_tokenizer
+from ladle.data.indexed import IndexedDataset
+from ladle.data.sft import ChatEncoder, check_roles
 from ladle.errors import DataError
 
 TASK = "prompts"
@@ -73,6 +63,56 @@ def to_prompt(obj: dict) -> tuple[list[dict], str]:
     return messages, "messages"
 
 
+class PromptsTask(ChatTask):
+    """Prompts rendered with the generation prompt, their records kept verbatim."""
+
+    name = TASK
+    nouns = "prompts"
+    nouns_key = "prompts"
+    masked = False
+    keeps_records = True
+
+    def __init__(self, template, max_prompt_len, **kw):
+        super().__init__(**kw)
+        self.template, self.max_prompt_len = template, max_prompt_len
+        self.shapes: Counter[str] = Counter()
+
+    def check(self) -> None:
+        if self.max_prompt_len < 1:
+            raise DataError(f"--max-prompt-len must be at least 1, got {self.max_prompt_len}")
+
+    def start(self, tok) -> None:
+        self.encoder = ChatEncoder(tok, self.template)
+
+    def encode(self, obj: dict):
+        messages, shape = to_prompt(obj)
+        ids = self.encoder.tok.encode(self.encoder.render(messages, add_generation_prompt=True))
+        if len(ids) > self.max_prompt_len:
+            raise BadRecord(f"prompt longer than --max-prompt-len {self.max_prompt_len} tokens")
+        line = kept_line(obj)
+        self.shapes[shape] += 1
+        return [(np.asarray(ids), None)], line
+
+    def split_fields(self, split, tokens, masks) -> dict:
+        return {"prompts": tokens.documents, "records": f"{split}_records.jsonl"}
+
+    def stats(self) -> dict:
+        return {"record_shapes": dict(self.shapes)}
+
+    def meta(self, tok, dtype, inputs, stats) -> dict:
+        options = {"max_prompt_len": self.max_prompt_len}
+        return self.chat_meta(tok, dtype, inputs, self.encoder.template_name, options, stats)
+
+    def summary(self, meta: dict, out: Path, seconds: float) -> str:
+        tr, va = meta["splits"]["train"], meta["splits"]["val"]
+        shapes = ", ".join(f"{k} {v:,}" for k, v in meta["record_shapes"].items())
+        return (
+            f"prepared {tr['prompts'] + va['prompts']:,} prompts ({shapes}; template {meta['template']}): "
+            f"train {tr['prompts']:,} / {tr['tokens']:,} tokens, val {va['prompts']:,} / {va['tokens']:,} tokens, "
+            f"in {seconds:.1f}s -> {out}"
+        )
+
+
 def prepare_prompts(
     inputs: Sequence[str | os.PathLike],
     *,
@@ -90,106 +130,24 @@ def prepare_prompts(
 ) -> dict:
     """Tokenize the prompts of `inputs` into the folder `output` (written beside it and renamed
     into place when complete); return its meta.json."""
-    if isinstance(inputs, str | os.PathLike):
-        inputs = [inputs]
-    inputs = [str(i) for i in inputs]
-    if max_prompt_len < 1:
-        raise DataError(f"--max-prompt-len must be at least 1, got {max_prompt_len}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    tok = load_tokenizer(tokenizer)
-    encoder = ChatEncoder(tok, template)
-    out = FolderWriter(output)
-    if next(iter_files(inputs, glob, exclude, skip=out.skip), None) is None:
-        raise DataError(no_files_message(inputs, glob, exclude))
-    dtype = dtype_for_vocab(tok.vocab_size)
-    t0 = time.perf_counter()
-    with out:
-        rows = iter_rows(inputs, glob=glob, exclude=exclude, skip=out.skip)
-        stats = _encode_into(
-            out.tmp, rows, encoder, dtype, max_prompt_len, val_fraction, seed, strict, shard_tokens
-        )
-        meta = chat_meta(
-            TASK,
-            tok,
-            dtype,
-            encoder.template_name,
-            inputs,
-            seed,
-            val_fraction,
-            max_prompt_len=max_prompt_len,
-            **stats,
-        )
-        if not meta["splits"]["train"]["prompts"]:
-            reasons = bad_reasons(meta)
-            raise DataError(
-                f"no usable prompts in {', '.join(inputs)}: {reasons or 'the files hold no records'}"
-            )
-        out.commit(meta)
-    if progress:
-        _print_summary(meta, out.out, time.perf_counter() - t0)
-    return meta
-
-
-def _encode_into(
-    folder: Path, rows, encoder: ChatEncoder, dtype, max_prompt_len, val_fraction, seed, strict, shard_tokens
-):
-    tokens = {s: SplitWriter(folder, s, dtype, shard_tokens) for s in SPLITS}
-    records = {s: (folder / f"{s}_records.jsonl").open("w", encoding="utf-8") for s in SPLITS}
-    skip = BadRecords(strict)
-    shapes: Counter[str] = Counter()
-
-    try:
-        for ordinal, (source, obj, reason) in enumerate(rows, start=1):
-            if reason is not None:
-                skip(source, reason)
-                continue
-            try:
-                messages, shape = to_prompt(obj)
-                ids = encoder.tok.encode(encoder.render(messages, add_generation_prompt=True))
-                if len(ids) > max_prompt_len:
-                    raise BadRecord(f"prompt longer than --max-prompt-len {max_prompt_len} tokens")
-                line = json.dumps(obj, ensure_ascii=False)
-            except BadRecord as e:
-                skip(source, str(e))
-                continue
-            except (TypeError, ValueError) as e:  # a Parquet value JSON cannot hold
-                skip(source, f"a field cannot be kept as JSON ({e})")
-                continue
-            shapes[shape] += 1
-            split = "val" if val_fraction and in_val(seed, ordinal, val_fraction) else "train"
-            tokens[split].add(np.asarray(ids, dtype=dtype))
-            records[split].write(line + "\n")
-        for w in tokens.values():
-            w.close()
-    except BaseException:
-        for w in tokens.values():
-            w.abort()
-        raise
-    finally:
-        for f in records.values():
-            f.close()
-    splits = {
-        s: {**w.summary(), "prompts": w.documents, "records": f"{s}_records.jsonl"} for s, w in tokens.items()
-    }
-    return {
-        "splits": splits,
-        "record_shapes": dict(shapes),
-        **skip.meta(),
-    }
-
-
-def _print_summary(meta: dict, out: Path, seconds: float) -> None:
-    tr, va = meta["splits"]["train"], meta["splits"]["val"]
-    shapes = ", ".join(f"{k} {v:,}" for k, v in meta["record_shapes"].items())
-    print(
-        f"prepared {tr['prompts'] + va['prompts']:,} prompts ({shapes}; template {meta['template']}): "
-        f"train {tr['prompts']:,} / {tr['tokens']:,} tokens, val {va['prompts']:,} / {va['tokens']:,} tokens, "
-        f"in {seconds:.1f}s -> {out}",
-        file=sys.stderr,
+    task = PromptsTask(
+        template,
+        max_prompt_len,
+        val_fraction=val_fraction,
+        seed=seed,
+        strict=strict,
+        shard_tokens=shard_tokens,
     )
-    if summary := bad_summary(meta):
-        print(summary, file=sys.stderr)
+    return prepare_with(
+        task,
+        inputs,
+        tokenizer=tokenizer,
+        output=output,
+        glob=glob,
+        exclude=exclude,
+        val_fraction=val_fraction,
+        progress=progress,
+    )
 
 
 class PromptSplit:

@@ -25,27 +25,16 @@ examples.
 from __future__ import annotations
 
 import os
-import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from ladle.data.chat import BUILTIN, MARKERS, ChatTemplate
-from ladle.data.folder import (
-    BadRecords,
-    FolderWriter,
-    SplitWriter,
-    bad_reasons,
-    bad_summary,
-    chat_meta,
-    in_val,
-    load_meta,
-)
-from ladle.data.indexed import IndexedDataset, dtype_for_vocab
-from ladle.data.sources import iter_files, iter_rows, no_files_message
-from ladle.data.tokenizer import Tokenizer, load_tokenizer
+from ladle.data.driver import BadRecord, ChatTask, prepare_with
+from ladle.data.folder import load_meta
+from ladle.data.indexed import IndexedDataset
+from ladle.data.tokenizer import Tokenizer
 from ladle.errors import DataError
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca")
@@ -65,11 +54,6 @@ SHAREGPT_ROLES = {
 }
 
 
-class BadRecord(ValueError):
-    """A record that cannot become a training sample; the message is the reason."""
-
-
-# -- records to messages ------------------------------------------------------------------------
 def detect_format(obj: dict) -> str | None:
     if "messages" in obj:
         return "messages"
@@ -228,6 +212,85 @@ class ChatEncoder:
 
 
 # -- the prepared folder ------------------------------------------------------------------------
+class SFTTask(ChatTask):
+    """Chats to token ids and a loss mask (see the module's docstring)."""
+
+    name = "sft"
+    nouns = "chats"
+
+    def __init__(self, fmt, template, mask, max_len, overlong, **kw):
+        super().__init__(**kw)
+        self.fmt, self.template, self.mask, self.max_len, self.overlong = (
+            fmt,
+            template,
+            mask,
+            max_len,
+            overlong,
+        )
+        self.detected = None if fmt == "auto" else fmt
+
+    def check(self) -> None:
+        if self.fmt not in FORMATS:
+            raise DataError(f"unknown SFT format {self.fmt!r}; choose one of {', '.join(FORMATS)}")
+        if self.overlong not in OVERLONG:
+            raise DataError(f"--overlong {self.overlong!r}: choose one of {', '.join(OVERLONG)}")
+        if self.max_len < 2:
+            raise DataError(f"--max-len must be at least 2, got {self.max_len}")
+
+    def start(self, tok: Tokenizer) -> None:
+        self.encoder = ChatEncoder(tok, self.template, self.mask)
+
+    def encode(self, obj: dict):
+        if self.detected is None:
+            self.detected = detect_format(obj)
+        messages = to_messages(obj, self.detected or "unknown")
+        ids, mask = self.encoder.encode(messages)
+        if len(ids) > self.max_len:
+            if self.overlong == "drop":
+                self.counts["dropped_overlong"] += 1
+                return None
+            ids, mask = ids[: self.max_len], mask[: self.max_len]
+            self.counts["truncated"] += 1
+        if not mask[1:].any():  # the first token is never a target
+            self.counts["no_trained_tokens"] += 1
+            raise BadRecord("no trained tokens (all masked, or truncated away)")
+        return [(ids, mask)], None
+
+    def split_fields(self, split, tokens, masks) -> dict:
+        return {"mask_shards": masks.shards, "trained_tokens": self.counts.pop(f"{split}_trained_tokens", 0)}
+
+    def stats(self) -> dict:
+        c = self.counts
+        return {
+            "truncated": c["truncated"],
+            "dropped_overlong": c["dropped_overlong"],
+            "no_trained_tokens": c["no_trained_tokens"],
+        }
+
+    def meta(self, tok, dtype, inputs, stats) -> dict:
+        options = {
+            "mask": self.mask,
+            "record_format": self.detected,
+            "max_len": self.max_len,
+            "overlong": self.overlong,
+        }
+        return self.chat_meta(tok, dtype, inputs, self.encoder.template_name, options, stats)
+
+    def empty(self, meta: dict, inputs: list[str]) -> str | None:
+        refusal = super().empty(meta, inputs)
+        return refusal and f"{refusal}; fix the data or the --format/--template options"
+
+    def summary(self, meta: dict, out: Path, seconds: float) -> str:
+        tr, va = meta["splits"]["train"], meta["splits"]["val"]
+        return (
+            f"prepared {tr['documents'] + va['documents']:,} chats ({meta['record_format']}, template "
+            f"{meta['template']}, mask {meta['mask']}): train {tr['documents']:,} / {tr['tokens']:,} tokens "
+            f"({tr['trained_tokens']:,} trained), val {va['documents']:,} / {va['tokens']:,} tokens; "
+            f"{meta['truncated']} truncated, {meta['dropped_overlong']} dropped as over {meta['max_len']} "
+            f"tokens, in {seconds:.1f}s -> {out}"
+        )
+
+
 def prepare_sft(
     inputs: Sequence[str | os.PathLike],
     *,
@@ -252,128 +315,27 @@ def prepare_sft(
     was). Bad records and samples without a trained token are skipped and counted; with `strict`
     the first bad record raises.
     """
-    if isinstance(inputs, str | os.PathLike):
-        inputs = [inputs]
-    inputs = [str(i) for i in inputs]
-    if fmt not in FORMATS:
-        raise DataError(f"unknown SFT format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if overlong not in OVERLONG:
-        raise DataError(f"--overlong {overlong!r}: choose one of {', '.join(OVERLONG)}")
-    if max_len < 2:
-        raise DataError(f"--max-len must be at least 2, got {max_len}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    tok = load_tokenizer(tokenizer)
-    encoder = ChatEncoder(tok, template, mask)
-    out = FolderWriter(output)
-    if next(iter_files(inputs, glob, exclude, skip=out.skip), None) is None:
-        raise DataError(no_files_message(inputs, glob, exclude))
-
-    dtype = dtype_for_vocab(tok.vocab_size)
-    t0 = time.perf_counter()
-    with out:
-        rows = iter_rows(inputs, glob=glob, exclude=exclude, skip=out.skip)
-        stats = _encode_into(
-            out.tmp, rows, encoder, fmt, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
-        )
-        meta = chat_meta(
-            "sft",
-            tok,
-            dtype,
-            encoder.template_name,
-            inputs,
-            seed,
-            val_fraction,
-            mask=mask,
-            record_format=stats.pop("record_format"),
-            max_len=max_len,
-            overlong=overlong,
-            **stats,
-        )
-        if not meta["splits"]["train"]["documents"]:
-            reasons = bad_reasons(meta)
-            raise DataError(
-                f"no usable chats in {', '.join(inputs)}: {reasons or 'the files hold no records'}; "
-                "fix the data or the --format/--template options"
-            )
-        out.commit(meta)
-    if progress:
-        _print_summary(meta, out.out, time.perf_counter() - t0)
-    return meta
-
-
-def _encode_into(
-    folder, rows: Iterator, encoder, fmt, dtype, max_len, overlong, val_fraction, seed, strict, shard_tokens
-):
-    tokens = {s: SplitWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
-    masks = {s: SplitWriter(folder, f"{s}_mask", np.uint8, shard_tokens) for s in ("train", "val")}
-    skip = BadRecords(strict)
-    counts = Counter()
-    ordinal = 0
-    detected = None if fmt == "auto" else fmt
-
-    try:
-        for source, obj, reason in rows:
-            ordinal += 1
-            if reason is not None:
-                skip(source, reason)
-                continue
-            if detected is None:
-                detected = detect_format(obj)
-            try:
-                messages = to_messages(obj, detected or "unknown")
-                ids, mask = encoder.encode(messages)
-            except BadRecord as e:
-                # Only the first line of a reason is its kind: counts stay few and readable.
-                skip(source, str(e))
-                continue
-            if len(ids) > max_len:
-                if overlong == "drop":
-                    counts["dropped_overlong"] += 1
-                    continue
-                ids, mask = ids[:max_len], mask[:max_len]
-                counts["truncated"] += 1
-            if not mask[1:].any():  # the first token is never a target
-                skip(source, "no trained tokens (all masked, or truncated away)")
-                counts["no_trained_tokens"] += 1
-                continue
-            split = "val" if val_fraction and in_val(seed, ordinal, val_fraction) else "train"
-            tokens[split].add(ids.astype(dtype))
-            masks[split].add(mask.astype(np.uint8))
-            counts[f"{split}_trained_tokens"] += int(mask[1:].sum())
-        for w in (*tokens.values(), *masks.values()):
-            w.close()
-    except BaseException:
-        for w in (*tokens.values(), *masks.values()):
-            w.abort()
-        raise
-    splits = {s: {**w.summary(), "mask_shards": masks[s].shards} for s, w in tokens.items()}
-    for s in splits:
-        splits[s]["trained_tokens"] = counts.pop(f"{s}_trained_tokens", 0)
-    return {
-        "splits": splits,
-        "record_format": detected,
-        "truncated": counts["truncated"],
-        "dropped_overlong": counts["dropped_overlong"],
-        "no_trained_tokens": counts["no_trained_tokens"],
-        **skip.meta(),
-    }
-
-
-def _print_summary(meta: dict, out: Path, seconds: float) -> None:
-    import sys
-
-    tr, va = meta["splits"]["train"], meta["splits"]["val"]
-    print(
-        f"prepared {tr['documents'] + va['documents']:,} chats ({meta['record_format']}, template "
-        f"{meta['template']}, mask {meta['mask']}): train {tr['documents']:,} / {tr['tokens']:,} tokens "
-        f"({tr['trained_tokens']:,} trained), val {va['documents']:,} / {va['tokens']:,} tokens; "
-        f"{meta['truncated']} truncated, {meta['dropped_overlong']} dropped as over {meta['max_len']} "
-        f"tokens, in {seconds:.1f}s -> {out}",
-        file=sys.stderr,
+    task = SFTTask(
+        fmt,
+        template,
+        mask,
+        max_len,
+        overlong,
+        val_fraction=val_fraction,
+        seed=seed,
+        strict=strict,
+        shard_tokens=shard_tokens,
     )
-    if summary := bad_summary(meta):
-        print(summary, file=sys.stderr)
+    return prepare_with(
+        task,
+        inputs,
+        tokenizer=tokenizer,
+        output=output,
+        glob=glob,
+        exclude=exclude,
+        val_fraction=val_fraction,
+        progress=progress,
+    )
 
 
 class SFTSplit:

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from ladle.data.chat import END_OF_TURN
-from ladle.data.sft import BadRecord, ChatEncoder, detect_format, to_messages
+from ladle.data.driver import BadRecord
+from ladle.data.sft import ChatEncoder, detect_format, to_messages
 from ladle.data.sources import iter_rows
 from ladle.errors import DataError
 from ladle.models.generation import generate

@@ -10,7 +10,7 @@ sharded, and gradients averaged, over `dp_shard x cp` (torchtitan's `dp_shard_cp
 With the RL recipes' separated placement (`ppo.placement: separated`) the world is `roles` = 2
 groups of ranks, each laid out as `parallel.*` says: the mesh gets an outermost `role` dimension,
 every other dimension (and so every group above) stays within a role, and `role` pairs rank i of
-one group with rank i of the other (ladle/train/placement.py).
+one group with rank i of the other (ladle/rl/placement.py).
 
 `check_layout` runs before any process starts (`ladle run --nproc`, `ladle launch slurm`,
 `ladle validate --nproc N`) and again in each process; it refuses what does not divide, with the

@@ -34,7 +34,7 @@ from ladle.parallel.compile import eager
 from ladle.parallel.mesh import Layout, Parallel
 from ladle.parallel.parallelize import gather_model
 from ladle.plan import oom_report
-from ladle.train.builder import build_model
+from ladle.train.builder import build_laid_out
 from ladle.train.loop import Trainer
 from ladle.train.loss import CausalLMLoss, Loss
 from ladle.train.metrics import flops_per_token
@@ -44,7 +44,7 @@ from ladle.train.unit import TrainUnit
 
 
 @dataclass
-class Plan:
+class Training:
     """What a recipe's `setup` hands back: its rows, its loss, and optionally `wrap(loader,
     evaluate) -> (loader, evaluate)` (the RL recipes' rollouts made from each step's prompts) and
     `trainer`, the loop's class or a factory with its signature (a step of more than one unit)."""
@@ -83,9 +83,9 @@ class Recipe:
         """Rows with len() and get(i) of the prepared data's `split`."""
         raise NotImplementedError
 
-    def setup(self, s: Setup) -> Plan:
+    def setup(self, s: Setup) -> Training:
         """Its rows and loss (None: the causal-LM loss), once the policy is built."""
-        return Plan(self.samples, None)
+        return Training(self.samples, None)
 
     def config(self, cfg: LadleConfig) -> LadleConfig:
         """The run config as this recipe trains it (a reward model's score head)."""
@@ -125,7 +125,7 @@ def build_trainer(
     run = RunDir(cfg, device, recipe=recipe.name, resume=resume)
     # the policy, or what this rank's group trains in a separated placement (PPO's critic)
     unit_cfg = recipe.unit_config(cfg, par)
-    built = build_model(unit_cfg, par, device, load=resume.path is None)
+    built = build_laid_out(unit_cfg, par, device, load=resume.path is None)
     for note in built.notes:
         run.events(note)
     if built.source:
@@ -134,12 +134,12 @@ def build_trainer(
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     fpt, trained = model_flops(cfg, n_no_embed)
     unit = TrainUnit(unit_cfg, built.model, device, par, built.pipeline)
-    plan = recipe.setup(Setup(cfg, par, device, unit, run, found, resume))
-    train, loader, val, evaluate = make_loaders(cfg, par, plan.samples, found, device, run)
-    if plan.wrap is not None:  # e.g. the RL recipes' rollouts from each step's prompts
-        loader, evaluate = plan.wrap(loader, evaluate)
-    loss = plan.loss or loss or CausalLMLoss(cfg.model.moe)
-    trainer = (plan.trainer or Trainer)(
+    training = recipe.setup(Setup(cfg, par, device, unit, run, found, resume))
+    train, loader, val, evaluate = make_loaders(cfg, par, training.samples, found, device, run)
+    if training.wrap is not None:  # e.g. the RL recipes' rollouts from each step's prompts
+        loader, evaluate = training.wrap(loader, evaluate)
+    loss = training.loss or loss or CausalLMLoss(cfg.model.moe)
+    trainer = (training.trainer or Trainer)(
         cfg,
         run,
         unit,

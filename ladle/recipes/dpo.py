@@ -20,8 +20,8 @@ from ladle.errors import ConfigError
 from ladle.models.lora import adapters_disabled
 from ladle.preference import reference
 from ladle.preference.losses import DPOLoss, pad_multiple
-from ladle.recipes.base import Plan, Recipe, Setup
-from ladle.train.builder import build_model
+from ladle.recipes.base import Recipe, Setup, Training
+from ladle.train.builder import build_laid_out
 
 SPLITS = ("train", "val")
 
@@ -55,28 +55,28 @@ class PairRecipe(Recipe):
 class DPO(PairRecipe):
     name = "dpo"
 
-    def setup(self, s: Setup) -> Plan:
+    def setup(self, s: Setup) -> Training:
         cfg = s.cfg
         multiple = pad_multiple(s.par.layout.tp)
         head = {"multiple": multiple, "completions_only": s.par.layout.tp == 1}  # see pair_logps
         if cfg.dpo.loss == "simpo":
-            return Plan(self.samples, DPOLoss(cfg.dpo, **head))
+            return Training(self.samples, DPOLoss(cfg.dpo, **head))
         if cfg.dpo.reference == "online":
-            return Plan(self.samples, DPOLoss(cfg.dpo, online_reference(s), **head))
+            return Training(self.samples, DPOLoss(cfg.dpo, online_reference(s), **head))
         cached = reference.load(cfg)
         if cached is None:
             cached = self.compute_cache(s)
         else:
             s.run.events(f"reference log-probs: reused from {cfg.output_dir}/{reference.CACHE_DIR}")
         rows = lambda c, split, f: self.samples(c, split, f, cached[split])  # noqa: E731
-        return Plan(rows, DPOLoss(cfg.dpo, **head))
+        return Training(rows, DPOLoss(cfg.dpo, **head))
 
     def compute_cache(self, s: Setup) -> dict:
         """The reference log-probs of both splits: from the policy itself on a fresh start (it is
         the reference then: adapters start at zero), else from a frozen copy built for the pass."""
         cfg = s.cfg
         fresh = s.resume.path is None
-        model = s.unit.model if fresh else build_model(cfg, s.par, s.device, trainable=False).model
+        model = s.unit.model if fresh else build_laid_out(cfg, s.par, s.device, trainable=False).model
 
         @contextlib.contextmanager
         def context():
@@ -107,7 +107,7 @@ def online_reference(s: Setup):
                 return policy(tokens, **kw)
 
         return base_forward
-    ref = build_model(cfg, s.par, s.device, trainable=False).model
+    ref = build_laid_out(cfg, s.par, s.device, trainable=False).model
     s.run.events("reference: a frozen copy of the starting weights, laid out like the policy")
     return ref
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 from ladle.config import LadleConfig
-from ladle.recipes.base import Plan, Setup
+from ladle.recipes.base import Setup, Training
 from ladle.recipes.rl import RLRecipe, every_batch, rollout_loader
 from ladle.rl import roles
 from ladle.rl.advantages import group_advantages
@@ -30,7 +30,7 @@ class GRPO(RLRecipe):
         super().check_layout(cfg, layout)
         every_batch(cfg, cfg.grpo.num_iterations, "grpo.num_iterations")
 
-    def setup(self, s: Setup) -> Plan:
+    def setup(self, s: Setup) -> Training:
         cfg, g = s.cfg, s.cfg.grpo
         rewards = roles.load_rewards(cfg)
         reward_model = roles.reward_model(cfg, s.par, s.device, s.run.events)
@@ -58,7 +58,7 @@ class GRPO(RLRecipe):
             )  # fmt: skip
             return rollouts, evaluate
 
-        return Plan(self.samples, loss, wrap)
+        return Training(self.samples, loss, wrap)
 
 
 RECIPE = GRPO()

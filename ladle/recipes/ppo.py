@@ -26,14 +26,14 @@ import torch
 
 from ladle.config import LadleConfig
 from ladle.errors import ConfigError
-from ladle.recipes.base import Plan, Setup
+from ladle.recipes.base import Setup, Training
 from ladle.recipes.rl import RLRecipe, every_batch, rollout_loader
 from ladle.rl import roles
 from ladle.rl.advantages import gae_advantages
 from ladle.rl.losses import PolicyLoss, ValueLoss
 from ladle.rl.placement import CriticSide, Pair, Remote
 from ladle.rl.trainers import CRITIC, PairedTrainer, TwoUnitTrainer
-from ladle.train.builder import build_model
+from ladle.train.builder import build_laid_out
 from ladle.train.loss import IGNORE_INDEX
 from ladle.train.unit import TrainUnit
 
@@ -67,7 +67,7 @@ class PPO(RLRecipe):
         """The critic on the critic's group of a separated placement, else the policy."""
         return roles.critic_config(cfg) if par.role == CRITIC else cfg
 
-    def setup(self, s: Setup) -> Plan:
+    def setup(self, s: Setup) -> Training:
         cfg, p = s.cfg, s.cfg.ppo
         pair = Pair(s.par.pair_group, s.device) if p.placement == "separated" else None
         if pair is not None and s.par.role == CRITIC:
@@ -79,10 +79,10 @@ class PPO(RLRecipe):
         )
         if pair is None:
             critic_cfg = roles.critic_config(cfg)
-            built = build_model(critic_cfg, s.par, s.device, load=s.resume.path is None)
+            built = build_laid_out(critic_cfg, s.par, s.device, load=s.resume.path is None)
             critic = TrainUnit(critic_cfg, built.model, s.device, s.par)
             describe_critic(s, built.notes)
-            trainer = functools.partial(TwoUnitTrainer, critic=critic, critic_loss=value_loss(s))
+            trainer = functools.partial(TwoUnitTrainer, critic=critic, critic_loss=critic_loss(s))
             critic_model, trained = critic.model, ("critic",)
         else:  # on the partner ranks
             critic_model, trained = Remote(pair, "critic"), ()
@@ -127,9 +127,9 @@ class PPO(RLRecipe):
                 rollouts.parking.add("critic", critic.model, critic.optimizer)
             return rollouts, evaluate
 
-        return Plan(self.samples, loss, wrap, trainer)
+        return Training(self.samples, loss, wrap, trainer)
 
-    def critic_setup(self, s: Setup, pair: Pair) -> Plan:
+    def critic_setup(self, s: Setup, pair: Pair) -> Training:
         """The critic's group of a separated placement: its unit (built from `unit_config`), the
         reward model beside it, and the partner's rollouts as its batches."""
         p = s.cfg.ppo
@@ -144,7 +144,7 @@ class PPO(RLRecipe):
             return side, evaluate
 
         trainer = functools.partial(PairedTrainer, pair=pair, role=CRITIC)
-        return Plan(self.samples, value_loss(s), wrap, trainer)
+        return Training(self.samples, critic_loss(s), wrap, trainer)
 
 
 def critic_values(critic, all_positions: bool, batch: dict) -> None:
@@ -157,7 +157,7 @@ def critic_values(critic, all_positions: bool, batch: dict) -> None:
     batch["old_values"] = torch.zeros(mask.shape, device=values.device).masked_scatter(mask, values)
 
 
-def value_loss(s: Setup) -> ValueLoss:
+def critic_loss(s: Setup) -> ValueLoss:
     loss = ValueLoss(s.cfg.ppo.value_clip)
     loss.all_positions = s.par.sequence_sharded
     return loss

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ladle.config import LadleConfig
 from ladle.errors import ConfigError
 from ladle.preference.losses import RewardLoss, pad_multiple
-from ladle.recipes.base import Plan, Setup
+from ladle.recipes.base import Setup, Training
 from ladle.recipes.dpo import PairRecipe
 
 
@@ -32,9 +32,9 @@ class Reward(PairRecipe):
             {**cfg.model_dump(), "model": {**cfg.model.model_dump(exclude_unset=True), "head": "score"}}
         )
 
-    def setup(self, s: Setup) -> Plan:
+    def setup(self, s: Setup) -> Training:
         tp = s.par.layout.tp  # sequence parallelism splits the positions: score them all there
-        return Plan(self.samples, RewardLoss(s.cfg.reward, pad_multiple(tp), last_only=tp == 1))
+        return Training(self.samples, RewardLoss(s.cfg.reward, pad_multiple(tp), last_only=tp == 1))
 
 
 RECIPE = Reward()

@@ -25,7 +25,7 @@ from ladle.data.prompts import PromptSplit
 from ladle.errors import ConfigError, DataError, LadleError
 from ladle.parallel.mesh import Parallel
 from ladle.rl.rewards import Rewards
-from ladle.train.builder import build_model
+from ladle.train.builder import build_laid_out
 
 
 def scorer_config(cfg: LadleConfig, path: str | None, where: str = "rewards.model", **changes) -> LadleConfig:
@@ -74,13 +74,13 @@ def reward_model(
     if not cfg.rewards.model:
         return None
     log(f"reward model: {cfg.rewards.model} (frozen), weight {cfg.rewards.model_weight}")
-    return build_model(scorer_config(cfg, cfg.rewards.model), par, device, trainable=False).model
+    return build_laid_out(scorer_config(cfg, cfg.rewards.model), par, device, trainable=False).model
 
 
 def frozen_reference(cfg: LadleConfig, par: Parallel, device, log: Callable[[str], None], section: str):
     """The KL's reference: a frozen copy of the starting weights, laid out like the policy."""
     log(f"reference: a frozen copy of the starting weights, laid out like the policy ({section}.kl_coef > 0)")
-    return build_model(cfg, par, device, trainable=False).model
+    return build_laid_out(cfg, par, device, trainable=False).model
 
 
 def load_rewards(cfg: LadleConfig) -> tuple[Rewards, dict[str, list[dict]]]:

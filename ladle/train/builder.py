@@ -1,7 +1,7 @@
 """Builds a model for a recipe, laid out for the run, with one call per model:
 
-    policy = build_model(cfg, par, device)                     # trained: adapters, AC, compile
-    reference = build_model(cfg, par, device, trainable=False)  # frozen: same layout, none of them
+    policy = build_laid_out(cfg, par, device)  # trained: adapters, AC, compile
+    reference = build_laid_out(cfg, par, device, trainable=False)  # frozen: same layout, none of them
 
 Weights come from `model.init_from` (a Hugging Face folder or a ladle checkpoint, resharded into
 this layout) or the seeded initialisation, so a frozen reference starts equal to the policy.
@@ -51,7 +51,7 @@ def applied(cfg: LadleConfig, trainable: bool = True) -> Apply:
     return what if trainable else what.frozen()
 
 
-def build_model(
+def build_laid_out(
     cfg: LadleConfig, par: Parallel, device: torch.device, *, trainable: bool = True, load: bool = True
 ) -> Built:
     """A model of `cfg.model` laid out by `par`. trainable=False: no adapters, no activation

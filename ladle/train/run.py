@@ -2,7 +2,7 @@
 
     OUTPUT_DIR/config.yaml  run_card.json  metrics.jsonl  events.log  checkpoints/
 
-The resume decision (ladle/prelaunch.py) runs before anything is written, so a refused start
+The resume decision (ladle/checkpoint/resume.py) runs before anything is written, so a refused start
 leaves the folder as it was. A restarted attempt of the same job (`restart_reason`) resumes
 whatever `train.resume` says.
 """
