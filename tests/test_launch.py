@@ -147,7 +147,7 @@ def test_restart_evidence(tmp_path, monkeypatch):
     """Which attempts count as restarts of the job recorded in the run card."""
     import json
 
-    from ladle.train.run import restart_reason
+    from ladle.checkpoint.resume import restart_reason
 
     for var in ("TORCHELASTIC_RESTART_COUNT", "LADLE_JOB_ID", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
         monkeypatch.delenv(var, raising=False)

@@ -74,7 +74,7 @@ def test_modules_to_save_train_in_full_and_tied_names_mean_the_shared_matrix():
 
 def test_adapter_run_counts_for_the_log_and_mfu():
     from ladle.config.load import build_config
-    from ladle.recipes.base import adapter_counts
+    from ladle.train.metrics import adapter_counts
 
     lora = {"targets": ["q_proj", "down_proj"], "rank": 4, "dora": True, "modules_to_save": ["lm_head"]}
     cfg = build_config(

@@ -8,7 +8,7 @@ import yaml
 
 from ladle.cli import main
 from ladle.config.schema import ProfilerConfig
-from ladle.train.profile import Warnings, breakdown
+from ladle.train.profile import Warnings, breakdown, table
 
 
 def run(tiny_config, tmp_path, *overrides, nproc=1):
@@ -98,6 +98,17 @@ def test_breakdown_of_an_accelerator_trace_splits_exposed_and_overlapped():
     assert b["compute_s"] == pytest.approx(150e-6) and b["comm_overlapped_s"] == pytest.approx(40e-6)
     assert b["comm_exposed_s"] == pytest.approx(50e-6) and b["comm_share"] == pytest.approx(90 / 400)
     assert b["host_overhead_s"] == pytest.approx((400 - 20 - 30 - 150 - 50) * 1e-6)
+
+
+def test_an_rl_step_s_generation_is_its_own_category_not_data_wait():
+    # the rollouts of an RL step (gen_s) are a row of their own; a run without them shows none
+    timers = {"step_s": 400e-6, "data_s": 20e-6, "gen_s": 200e-6, "fwd_bwd_s": 100e-6, "optim_s": 30e-6}
+    b = breakdown({"traceEvents": []}, timers, 1)
+    assert b["generation_s"] == pytest.approx(200e-6) and b["data_wait_s"] == pytest.approx(20e-6)
+    assert b["host_overhead_s"] == pytest.approx((400 - 20 - 200 - 100 - 30) * 1e-6)
+    assert "  generation " in table(b, 1, 1)
+    plain = breakdown({"traceEvents": []}, {**timers, "gen_s": 0.0}, 1)
+    assert "generation_s" not in plain and "generation" not in table(plain, 1, 1)
 
 
 def test_warnings_for_data_wait_and_low_mfu_are_said_once():

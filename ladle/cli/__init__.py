@@ -1,9 +1,9 @@
 """The `ladle` command: parse, validate, call into the package. User errors exit 2, no traceback.
 
-One module per group of commands, each adding its own sub-parsers (`add_parsers`) and holding
-its `cmd_*` functions, which import what they run only when they run: config (ls, cp, validate,
-plan), run (run, launch slurm), data (tokenizer, data), models (export, checkpoint, eval,
-generate), tools (doctor, rank-table, bench, report, compare).
+One module per group of commands, each with the functions that add its sub-parsers (`COMMANDS`)
+and its `cmd_*` functions, which import what they run only when they run: config (ls, cp,
+validate, plan), run (run, launch slurm), data (tokenizer, data), models (export, checkpoint,
+eval, generate), tools (doctor, rank-table, bench, report, compare).
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ import sys
 from ladle.cli import config, data, models, run, tools
 from ladle.errors import LadleError
 
-GROUPS = (config, run, data, models, tools)
+COMMANDS = {name: add for group in (config, run, data, models, tools) for name, add in group.COMMANDS.items()}
+# the order `ladle --help` lists them in
+ORDER = (
+    "ls", "cp", "validate", "plan", "bench", "report", "compare", "run", "launch", "tokenizer", "data",
+    "export", "checkpoint", "eval", "rank-table", "doctor", "generate",
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="ladle", description="Training recipes for large language models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in GROUPS:
-        group.add_parsers(sub, RECIPES)
+    for name in sorted(COMMANDS, key=ORDER.index):  # a command left out of ORDER fails here
+        COMMANDS[name](sub, RECIPES)
     return p
 
 

@@ -97,15 +97,20 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def add_parsers(sub, recipes) -> None:
-    """The config commands: ls, cp, validate, plan."""
+def _ls_parser(sub, recipes) -> None:
     s = sub.add_parser("ls", help="list recipes and bundled configs")
     s.set_defaults(fn=cmd_ls)
+
+
+def _cp_parser(sub, recipes) -> None:
     s = sub.add_parser("cp", help="copy a bundled config out for editing")
     s.add_argument("config")
     s.add_argument("dest")
     s.add_argument("--force", action="store_true")
     s.set_defaults(fn=cmd_cp)
+
+
+def _validate_parser(sub, recipes) -> None:
     s = sub.add_parser("validate", help="load, override and validate a config; print the resolved YAML")
     s.add_argument("--config", required=True)
     s.add_argument("--no-paths", action="store_true", help="check the schema only, not tokenizer and data")
@@ -120,6 +125,9 @@ def add_parsers(sub, recipes) -> None:
     )
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_validate)
+
+
+def _plan_parser(sub, recipes) -> None:
     s = sub.add_parser("plan", help="memory per device and the layouts that fit, before launching")
     s.add_argument("--config", required=True)
     s.add_argument("--devices", type=int, required=True, help="devices in all")
@@ -138,3 +146,11 @@ def add_parsers(sub, recipes) -> None:
     s.add_argument("--json", action="store_true")
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_plan)
+
+
+COMMANDS = {  # command -> the function that adds its sub-parser
+    "ls": _ls_parser,
+    "cp": _cp_parser,
+    "validate": _validate_parser,
+    "plan": _plan_parser,
+}

@@ -131,8 +131,7 @@ def cmd_data_show(args) -> int:
     return 0
 
 
-def add_parsers(sub, recipes) -> None:
-    """tokenizer train; data prepare, synth, inspect, show."""
+def _tokenizer_parser(sub, recipes) -> None:
     s = sub.add_parser("tokenizer", help="tokenizer tools")
     tsub = s.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND")
     t = tsub.add_parser("train", help="train a byte-level BPE tokenizer")
@@ -144,10 +143,19 @@ def add_parsers(sub, recipes) -> None:
     t.add_argument("--vocab-size", type=int, required=True)
     t.add_argument("--output", required=True)
     t.set_defaults(fn=cmd_tokenizer_train)
+
+
+def _data_parser(sub, recipes) -> None:
     s = sub.add_parser("data", help="data tools")
     dsub = s.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
     add_prepare_parser(dsub)
     add_data_tools_parsers(dsub)
+
+
+COMMANDS = {  # command -> the function that adds its sub-parser
+    "tokenizer": _tokenizer_parser,
+    "data": _data_parser,
+}
 
 
 def add_prepare_parser(dsub) -> None:

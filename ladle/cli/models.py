@@ -155,8 +155,7 @@ def add_inference_args(s: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parsers(sub, recipes) -> None:
-    """export hf / peft, checkpoint verify, eval, generate."""
+def _export_parser(sub, recipes) -> None:
     s = sub.add_parser("export", help="export a checkpoint")
     esub = s.add_subparsers(dest="export_command", required=True, metavar="FORMAT")
     e = esub.add_parser("hf", help="to a Hugging Face safetensors folder")
@@ -169,6 +168,9 @@ def add_parsers(sub, recipes) -> None:
     e.add_argument("checkpoint", help="a checkpoints/step_* folder or a run directory (its latest)")
     e.add_argument("out")
     e.set_defaults(fn=cmd_export_peft)
+
+
+def _checkpoint_parser(sub, recipes) -> None:
     s = sub.add_parser("checkpoint", help="checkpoint tools")
     csub = s.add_subparsers(dest="checkpoint_command", required=True, metavar="COMMAND")
     c = csub.add_parser(
@@ -179,6 +181,9 @@ def add_parsers(sub, recipes) -> None:
     c.add_argument("path", help="a checkpoints/step_* folder or a run directory")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_checkpoint_verify)
+
+
+def _eval_parser(sub, recipes) -> None:
     s = sub.add_parser(
         "eval",
         help="loss and perplexity on prepared data; (--task generate) the accuracy of greedy answers to chats; "
@@ -216,6 +221,9 @@ def add_parsers(sub, recipes) -> None:
     s.add_argument("--tokenizer", default=None, help="default: the model's own")
     add_inference_args(s)
     s.set_defaults(fn=cmd_eval)
+
+
+def _generate_parser(sub, recipes) -> None:
     s = sub.add_parser("generate", help="sample from a checkpoint or Hugging Face folder")
     s.add_argument("--model", required=True)
     s.add_argument("--prompt", action="append", help="repeatable; default: one prompt a line on stdin")
@@ -232,3 +240,11 @@ def add_parsers(sub, recipes) -> None:
     s.add_argument("--json", action="store_true")
     add_inference_args(s)
     s.set_defaults(fn=cmd_generate)
+
+
+COMMANDS = {  # command -> the function that adds its sub-parser
+    "export": _export_parser,
+    "checkpoint": _checkpoint_parser,
+    "eval": _eval_parser,
+    "generate": _generate_parser,
+}

@@ -108,8 +108,7 @@ def cmd_launch_slurm(args) -> int:
     return 0
 
 
-def add_parsers(sub, recipes) -> None:
-    """run and launch slurm."""
+def _run_parser(sub, recipes) -> None:
     s = sub.add_parser("run", help="run a recipe")
     s.add_argument("recipe", help=", ".join(recipes))
     s.add_argument("--config", required=True)
@@ -133,6 +132,9 @@ def add_parsers(sub, recipes) -> None:
     )
     s.add_argument("overrides", nargs="*", metavar="key.path=value")
     s.set_defaults(fn=cmd_run)
+
+
+def _launch_parser(sub, recipes) -> None:
     s = sub.add_parser("launch", help="write a cluster job script for a run")
     lsub = s.add_subparsers(dest="launch_command", required=True, metavar="SCHEDULER")
     sl = lsub.add_parser(
@@ -166,3 +168,9 @@ def add_parsers(sub, recipes) -> None:
     sl.add_argument("--force", action="store_true")
     sl.add_argument("overrides", nargs="*", metavar="key.path=value")
     sl.set_defaults(fn=cmd_launch_slurm)
+
+
+COMMANDS = {  # command -> the function that adds its sub-parser
+    "run": _run_parser,
+    "launch": _launch_parser,
+}

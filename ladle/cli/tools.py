@@ -93,8 +93,7 @@ def cmd_compare(args) -> int:
     return 0
 
 
-def add_parsers(sub, recipes) -> None:
-    """doctor, rank-table, bench comm / data, report, compare."""
+def _doctor_parser(sub, recipes) -> None:
     s = sub.add_parser(
         "doctor",
         help="is this machine ready: versions, devices, backends, environment, links, disk, GEMM peak "
@@ -104,6 +103,9 @@ def add_parsers(sub, recipes) -> None:
     s.add_argument("--no-gemm", action="store_true", help="skip the GEMM measurement")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_doctor)
+
+
+def _rank_table_parser(sub, recipes) -> None:
     s = sub.add_parser(
         "rank-table",
         help="Ascend: write HCCL's rank_table.json (from a hosts file and device IPs, or hccn_tool on "
@@ -117,6 +119,9 @@ def add_parsers(sub, recipes) -> None:
     s.add_argument("-o", "--output", help="the file to write (default: standard output)")
     s.add_argument("--check", metavar="FILE", help="validate a rank table: exit 2 naming every problem")
     s.set_defaults(fn=cmd_rank_table)
+
+
+def _bench_parser(sub, recipes) -> None:
     s = sub.add_parser("bench", help="measure the links (comm) or the loader (data)")
     bsub = s.add_subparsers(dest="what", required=True, metavar="WHAT")
     b = bsub.add_parser("comm", help="collectives' algorithm and bus bandwidth over the launched ranks")
@@ -142,11 +147,26 @@ def add_parsers(sub, recipes) -> None:
     b.add_argument("--json", action="store_true")
     b.add_argument("overrides", nargs="*", metavar="key.path=value")
     b.set_defaults(fn=cmd_bench_data)
+
+
+def _report_parser(sub, recipes) -> None:
     s = sub.add_parser("report", help="plots and one HTML page of a run")
     s.add_argument("run", help="a run directory (output_dir)")
     s.add_argument("--output", help="default: RUN/report/")
     s.set_defaults(fn=cmd_report)
+
+
+def _compare_parser(sub, recipes) -> None:
     s = sub.add_parser("compare", help="config differences, summary metrics and loss curves of runs")
     s.add_argument("runs", nargs="+", metavar="RUN")
     s.add_argument("--output", help="default: the first run's compare/")
     s.set_defaults(fn=cmd_compare)
+
+
+COMMANDS = {  # command -> the function that adds its sub-parser
+    "doctor": _doctor_parser,
+    "rank-table": _rank_table_parser,
+    "bench": _bench_parser,
+    "report": _report_parser,
+    "compare": _compare_parser,
+}

@@ -18,13 +18,19 @@ from pydantic import BaseModel, ValidationError
 from ladle.config.schema import LadleConfig
 from ladle.errors import ConfigError
 
+# Every bundled YAML lives in ladle/configs/: the run configs by recipe, the model shapes that
+# `model.preset` names under models/ (not run configs themselves).
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
-PRESET_ROOT = Path(__file__).resolve().parent / "presets"
+PRESET_ROOT = CONFIG_ROOT / "models"
 
 
 def bundled_configs() -> list[str]:
-    """Names of the bundled configs, e.g. `tiny/pretrain`."""
-    return sorted(str(p.relative_to(CONFIG_ROOT).with_suffix("")) for p in CONFIG_ROOT.rglob("*.yaml"))
+    """Names of the bundled run configs, e.g. `tiny/pretrain`."""
+    return sorted(
+        str(p.relative_to(CONFIG_ROOT).with_suffix(""))
+        for p in CONFIG_ROOT.rglob("*.yaml")
+        if PRESET_ROOT not in p.parents
+    )
 
 
 def resolve_config_path(name: str) -> Path:
@@ -33,7 +39,7 @@ def resolve_config_path(name: str) -> Path:
     if p.is_file():
         return p
     bundled = CONFIG_ROOT / (name if name.endswith(".yaml") else name + ".yaml")
-    if bundled.is_file():
+    if bundled.is_file() and PRESET_ROOT not in bundled.resolve().parents:
         return bundled
     hint = difflib.get_close_matches(name.removesuffix(".yaml"), bundled_configs(), n=1)
     extra = (
@@ -135,7 +141,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def model_presets() -> list[str]:
-    """Names of the bundled model definitions (`ladle/config/presets/NAME.yaml`)."""
+    """Names of the bundled model definitions (`ladle/configs/models/NAME.yaml`)."""
     return sorted(p.stem for p in PRESET_ROOT.glob("*.yaml"))
 
 

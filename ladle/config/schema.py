@@ -157,7 +157,7 @@ class ModelConfig(Section):
 
     preset: str | None = Field(
         None,
-        description="a bundled model definition whose shape fills the model section (keys set beside it win): `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`, `llama-3.1-70b`, `llama-2-70b`, `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`, `qwen3-8b`, `qwen3-32b`, `qwen3-30b-a3b`, `mistral-7b`, `glm-4-9b`, `glm-4-32b-0414`, `mixtral-8x7b`, `deepseek-v3`, `deepseek-v2-lite-class` (files in `ladle/config/presets/`)",
+        description="a bundled model definition whose shape fills the model section (keys set beside it win): `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`, `llama-3.1-70b`, `llama-2-70b`, `qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`, `qwen3-0.6b`, `qwen3-8b`, `qwen3-32b`, `qwen3-30b-a3b`, `mistral-7b`, `glm-4-9b`, `glm-4-32b-0414`, `mixtral-8x7b`, `deepseek-v3`, `deepseek-v2-lite-class` (files in `ladle/configs/models/`)",
     )
     family: Literal[
         "llama", "qwen2", "qwen3", "mistral", "glm", "glm4", "mixtral", "qwen3_moe", "deepseek_v3"

@@ -8,7 +8,6 @@ preference, prompts) share `ChatTask`'s loop over records, each with its own `en
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -199,11 +198,3 @@ class ChatTask(Task):
             return None
         reasons = bad_reasons(meta)
         return f"no usable {self.nouns} in {', '.join(inputs)}: {reasons or 'the files hold no records'}"
-
-
-def kept_line(obj: dict) -> str:
-    """A record's line as kept beside its tokens (verbatim JSON)."""
-    try:
-        return json.dumps(obj, ensure_ascii=False)
-    except (TypeError, ValueError) as e:  # a Parquet value JSON cannot hold
-        raise BadRecord(f"a field cannot be kept as JSON ({e})") from None

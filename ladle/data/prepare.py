@@ -64,6 +64,8 @@ class TextTask(Task):
     def check(self) -> None:
         if self.workers < 1:
             raise DataError(f"workers must be at least 1, got {self.workers}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise DataError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.shard_tokens < 1:
             raise DataError(f"shard_tokens must be at least 1, got {self.shard_tokens}")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ladle.data.driver import BadRecord, ChatTask, kept_line, prepare_with
+from ladle.data.driver import BadRecord, ChatTask, prepare_with
 from ladle.data.folder import (
     load_meta,
 )
@@ -85,11 +85,16 @@ class PromptsTask(ChatTask):
         self.encoder = ChatEncoder(tok, self.template)
 
     def encode(self, obj: dict):
-        messages, shape = to_prompt(obj)
-        ids = self.encoder.tok.encode(self.encoder.render(messages, add_generation_prompt=True))
-        if len(ids) > self.max_prompt_len:
-            raise BadRecord(f"prompt longer than --max-prompt-len {self.max_prompt_len} tokens")
-        line = kept_line(obj)
+        try:
+            messages, shape = to_prompt(obj)
+            ids = self.encoder.tok.encode(self.encoder.render(messages, add_generation_prompt=True))
+            if len(ids) > self.max_prompt_len:
+                raise BadRecord(f"prompt longer than --max-prompt-len {self.max_prompt_len} tokens")
+            line = json.dumps(obj, ensure_ascii=False)
+        except BadRecord:
+            raise
+        except (TypeError, ValueError) as e:  # a Parquet value JSON cannot hold
+            raise BadRecord(f"a field cannot be kept as JSON ({e})") from None
         self.shapes[shape] += 1
         return [(np.asarray(ids), None)], line
 

@@ -20,26 +20,19 @@ from ladle import distributed as dist
 from ladle.checkpoint.resume import Resume, worker_resume
 from ladle.config import LadleConfig
 from ladle.data.folder import data_identity
-from ladle.data.loader import (
-    BatchLayout,
-    PretrainLoader,
-    SharedLoader,
-    eval_batch_count,
-    eval_batches,
-)
 from ladle.launch.checks import Checked, check
-from ladle.models.llama import Llama, count_params
-from ladle.models.lora import apply_lora
+from ladle.models.llama import count_params
 from ladle.parallel.compile import eager
 from ladle.parallel.mesh import Layout, Parallel
 from ladle.parallel.parallelize import gather_model
 from ladle.plan import oom_report
 from ladle.train.builder import build_laid_out
+from ladle.train.loaders import make_loaders
 from ladle.train.loop import Trainer
 from ladle.train.loss import CausalLMLoss, Loss
-from ladle.train.metrics import flops_per_token
+from ladle.train.metrics import model_flops
 from ladle.train.precision import resolve_mode
-from ladle.train.run import RunDir, throughput_summary
+from ladle.train.run import RunDir, sample_text, throughput_summary
 from ladle.train.unit import TrainUnit
 
 
@@ -170,89 +163,6 @@ def build_trainer(
     if resume.path is not None:
         trainer.resume_from(resume.path)
     return trainer
-
-
-def make_loaders(cfg: LadleConfig, par: Parallel, samples, found, device, run):
-    """(train rows, this rank's train loader, val rows, the validation batches or None)."""
-    t = cfg.train
-    # Each data-parallel rank reads its own slice of every global batch; a TP group shares one.
-    layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, par.dp_rank, par.dp_size)
-    train = samples(cfg, "train", found)
-    loader = None
-    if par.shared_rank == 0 or not cfg.data.shared_read:
-        loader = PretrainLoader(train, layout, seed=cfg.seed, device=device, prefetch=cfg.data.prefetch)
-    if par.shared and cfg.data.shared_read:  # one read per TP/CP/PP group, broadcast to the rest
-        loader = SharedLoader(
-            loader,
-            group=par.shared_group,
-            leader=par.shared_leader,
-            spec={
-                k: ((t.micro_batch_size, *v.shape), torch.from_numpy(v).dtype)
-                for k, v in train.get(0).items()
-            },
-            n_micro=t.grad_accum_steps,
-            global_batch=layout.global_batch,
-            device=device,
-        )
-        run.events(f"batches read by the first rank of each {par.shared} group and broadcast to the others")
-    val = samples(cfg, "val", found)
-    n_eval = eval_batch_count(val, layout, t.eval_steps)
-    evaluate = (lambda: eval_batches(val, layout, t.eval_steps, device)) if n_eval else None
-    if t.eval_steps and not n_eval:
-        run.events(
-            f"no validation: the val split has {len(val)} samples, fewer than one batch of "
-            f"{t.micro_batch_size * par.dp_size}; prepare with --val-fraction to hold some out",
-            level="warning",
-        )
-    return train, loader, val, evaluate
-
-
-def model_flops(cfg: LadleConfig, n_no_embed: int) -> tuple[float, str]:
-    """(training FLOPs per token for MFU, what an adapter run trains, for the log)."""
-    m = cfg.model
-    fpt = flops_per_token(n_no_embed, m.n_layers, m.n_heads, m.head_size, cfg.data.seq_len)
-    if cfg.lora is None:
-        return fpt, ""
-    n_trained, n_adapters, frozen = adapter_counts(cfg, n_no_embed)
-    saved = f" and {', '.join(cfg.lora.modules_to_save)} in full" if cfg.lora.modules_to_save else ""
-    return (
-        fpt + 6 * n_adapters - 2 * frozen,
-        f", {n_trained:,} trained (adapters{saved}; MFU counts 4 FLOPs a token for a frozen weight)",
-    )
-
-
-def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
-    """A generated continuation of `sample.prompt`: the demo's proof that the model learned."""
-    from ladle.models.generation import generate
-
-    s = cfg.sample
-    if not s.prompt or s.max_new_tokens == 0:
-        return None
-    g = torch.Generator(device=device).manual_seed(cfg.seed)
-    ids = tok.encode(s.prompt)
-    out = generate(
-        model,
-        [ids],
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        eos_id=tok.eos_id,
-        generator=g,
-    )[0]
-    return s.prompt + tok.decode(out)
-
-
-def adapter_counts(cfg: LadleConfig, n_no_embed: int) -> tuple[int, int, int]:
-    """(trained parameters, adapter parameters, frozen weights among MFU's N = n_no_embed) of an
-    adapter run, counted on a meta-device copy (so for any layout). A frozen weight costs no
-    weight gradient: 4 FLOPs a token instead of 6; the adapters are matmul weights of their own."""
-    with torch.device("meta"):
-        meta = Llama(cfg.model)
-    apply_lora(meta, cfg.lora)
-    trained = sum(p.numel() for p in meta.parameters() if p.requires_grad)
-    adapters = sum(p.numel() for n, p in meta.named_parameters() if ".lora_A." in n or ".lora_B." in n)
-    head = meta.embed_tokens.weight if cfg.model.tie_embeddings else meta.lm_head.weight
-    return trained, adapters, n_no_embed - (head.numel() if head.requires_grad else 0)
 
 
 def run(cfg: LadleConfig, recipe: Recipe, loss: Loss | None = None) -> str:

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -19,6 +20,9 @@ from rich.progress import (
 )
 
 from ladle import distributed as dist
+from ladle.config import LadleConfig
+from ladle.models.llama import Llama
+from ladle.models.lora import apply_lora
 
 
 def flops_per_token(
@@ -131,3 +135,30 @@ class ConsoleProgress:
 
 def make_console() -> Console:
     return Console(file=sys.stdout, soft_wrap=True)
+
+
+def model_flops(cfg: LadleConfig, n_no_embed: int) -> tuple[float, str]:
+    """(training FLOPs per token for MFU, what an adapter run trains, for the log)."""
+    m = cfg.model
+    fpt = flops_per_token(n_no_embed, m.n_layers, m.n_heads, m.head_size, cfg.data.seq_len)
+    if cfg.lora is None:
+        return fpt, ""
+    n_trained, n_adapters, frozen = adapter_counts(cfg, n_no_embed)
+    saved = f" and {', '.join(cfg.lora.modules_to_save)} in full" if cfg.lora.modules_to_save else ""
+    return (
+        fpt + 6 * n_adapters - 2 * frozen,
+        f", {n_trained:,} trained (adapters{saved}; MFU counts 4 FLOPs a token for a frozen weight)",
+    )
+
+
+def adapter_counts(cfg: LadleConfig, n_no_embed: int) -> tuple[int, int, int]:
+    """(trained parameters, adapter parameters, frozen weights among MFU's N = n_no_embed) of an
+    adapter run, counted on a meta-device copy (so for any layout). A frozen weight costs no
+    weight gradient: 4 FLOPs a token instead of 6; the adapters are matmul weights of their own."""
+    with torch.device("meta"):
+        meta = Llama(cfg.model)
+    apply_lora(meta, cfg.lora)
+    trained = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    adapters = sum(p.numel() for n, p in meta.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+    head = meta.embed_tokens.weight if cfg.model.tie_embeddings else meta.lm_head.weight
+    return trained, adapters, n_no_embed - (head.numel() if head.requires_grad else 0)

@@ -85,13 +85,14 @@ def breakdown(trace: dict, timers: dict, steps: int) -> dict:
     out = {
         "step_s": step,
         "data_wait_s": timers["data_s"] / n,
-        "generation_s": timers.get("gen_s", 0.0) / n,
         "optimizer_s": timers["optim_s"] / n,
         "compute_s": compute_s / n,
         "comm_exposed_s": (comm_s - overlapped) / n,
         "comm_overlapped_s": overlapped / n,
     }
-    accounted = out["data_wait_s"] + out["generation_s"] + out["optimizer_s"] + out["compute_s"]
+    if timers.get("gen_s"):  # the RL recipes' rollouts
+        out["generation_s"] = timers["gen_s"] / n
+    accounted = out["data_wait_s"] + out.get("generation_s", 0.0) + out["optimizer_s"] + out["compute_s"]
     accounted += out["comm_exposed_s"]
     out["host_overhead_s"] = max(0.0, step - accounted)
     out["comm_share"] = (out["comm_exposed_s"] + out["comm_overlapped_s"]) / step if step else 0.0

@@ -156,3 +156,24 @@ def throughput_summary(run_dir: Path, skip_first: int = 1) -> dict:
         "step_s_median": statistics.median(r["step_s"] for r in steps),
         "mem_peak_bytes": max(r["mem_peak_bytes"] for r in steps),
     }
+
+
+def sample_text(cfg: LadleConfig, model, tok, device) -> str | None:
+    """A generated continuation of `sample.prompt`: the demo's proof that the model learned."""
+    from ladle.models.generation import generate
+
+    s = cfg.sample
+    if not s.prompt or s.max_new_tokens == 0:
+        return None
+    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    ids = tok.encode(s.prompt)
+    out = generate(
+        model,
+        [ids],
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        eos_id=tok.eos_id,
+        generator=g,
+    )[0]
+    return s.prompt + tok.decode(out)

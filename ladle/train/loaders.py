@@ -1,0 +1,45 @@
+"""A run's loaders from a recipe's rows: each data-parallel rank's slice of every global batch (a
+TP, CP or PP group reading once and broadcasting, `data.shared_read`), and the validation batches."""
+
+from __future__ import annotations
+
+import torch
+
+from ladle.config import LadleConfig
+from ladle.data.loader import BatchLayout, PretrainLoader, SharedLoader, eval_batch_count, eval_batches
+from ladle.parallel.mesh import Parallel
+
+
+def make_loaders(cfg: LadleConfig, par: Parallel, samples, found, device, run):
+    """(train rows, this rank's train loader, val rows, the validation batches or None)."""
+    t = cfg.train
+    # Each data-parallel rank reads its own slice of every global batch; a TP group shares one.
+    layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, par.dp_rank, par.dp_size)
+    train = samples(cfg, "train", found)
+    loader = None
+    if par.shared_rank == 0 or not cfg.data.shared_read:
+        loader = PretrainLoader(train, layout, seed=cfg.seed, device=device, prefetch=cfg.data.prefetch)
+    if par.shared and cfg.data.shared_read:  # one read per TP/CP/PP group, broadcast to the rest
+        loader = SharedLoader(
+            loader,
+            group=par.shared_group,
+            leader=par.shared_leader,
+            spec={
+                k: ((t.micro_batch_size, *v.shape), torch.from_numpy(v).dtype)
+                for k, v in train.get(0).items()
+            },
+            n_micro=t.grad_accum_steps,
+            global_batch=layout.global_batch,
+            device=device,
+        )
+        run.events(f"batches read by the first rank of each {par.shared} group and broadcast to the others")
+    val = samples(cfg, "val", found)
+    n_eval = eval_batch_count(val, layout, t.eval_steps)
+    evaluate = (lambda: eval_batches(val, layout, t.eval_steps, device)) if n_eval else None
+    if t.eval_steps and not n_eval:
+        run.events(
+            f"no validation: the val split has {len(val)} samples, fewer than one batch of "
+            f"{t.micro_batch_size * par.dp_size}; prepare with --val-fraction to hold some out",
+            level="warning",
+        )
+    return train, loader, val, evaluate
