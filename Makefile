@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
+# Every demo trains in `precision.mode: auto` (bf16-mixed where the CPU or GPU has native bf16,
+# else fp32); `make ppo-demo PRECISION=fp32` (or bf16-mixed) runs the chain in one precision.
+PRECISION ?=
+PRECISION_OPT = $(if $(PRECISION),precision.mode=$(PRECISION))
+
 # --- the demo: tokenizer, data, pretraining, export and a sample, on the stdlib's source ------
 DEMO := runs/demo
 STDLIB = $(shell $(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
@@ -22,7 +27,7 @@ CORPUS = --input $(STDLIB) --glob '*.py' --exclude 'site-packages/*' 'test/*' 'i
 
 demo: setup $(DEMO)/data/meta.json
 	rm -rf $(DEMO)/run $(DEMO)/hf
-	$(BIN)/ladle run pretrain --config configs/tiny/pretrain.yaml
+	$(BIN)/ladle run pretrain --config configs/tiny/pretrain.yaml $(PRECISION_OPT)
 	$(BIN)/ladle export hf $(DEMO)/run $(DEMO)/hf
 	$(BIN)/ladle generate --model $(DEMO)/hf --prompt 'def ' --prompt 'import ' --max-new-tokens 48 --temperature 0.8 --top-k 40
 	@$(BIN)/python -c "$$DEMO_SUMMARY"
@@ -54,14 +59,14 @@ EVAL_TASK = $(BIN)/ladle eval --task generate --data $(SFT)/task/val.jsonl --max
 sft-demo: setup $(DEMO)/run/checkpoints/latest $(SFT)/data/meta.json
 	rm -rf $(SFT)/run
 	$(EVAL_TASK) --model $(DEMO)/run > $(SFT)/before.json
-	$(BIN)/ladle run sft --config configs/tiny/sft.yaml
+	$(BIN)/ladle run sft --config configs/tiny/sft.yaml $(PRECISION_OPT)
 	$(EVAL_TASK) --model $(SFT)/run > $(SFT)/after.json
 	@$(BIN)/python -c "$$SFT_SUMMARY" $@
 
 lora-demo: setup $(DEMO)/run/checkpoints/latest $(SFT)/data/meta.json
 	rm -rf $(SFT)/lora
 	$(EVAL_TASK) --model $(DEMO)/run > $(SFT)/before.json
-	$(BIN)/ladle run sft --config configs/tiny/lora.yaml
+	$(BIN)/ladle run sft --config configs/tiny/lora.yaml $(PRECISION_OPT)
 	$(EVAL_TASK) --model $(SFT)/lora > $(SFT)/after.json
 	@$(BIN)/python -c "$$SFT_SUMMARY" $@
 
@@ -84,10 +89,10 @@ dpo-demo: setup $(SFT)/run/checkpoints/latest $(DPO)/data/meta.json
 	rm -rf $(DPO)/run $(DPO)/reward
 	$(BIN)/ladle eval --task preference --model $(SFT)/run --data $(DPO)/data > $(DPO)/pref-before.json
 	$(DPO_EVAL) --model $(SFT)/run > $(DPO)/before.json
-	$(BIN)/ladle run dpo --config configs/tiny/dpo.yaml
+	$(BIN)/ladle run dpo --config configs/tiny/dpo.yaml $(PRECISION_OPT)
 	$(BIN)/ladle eval --task preference --model $(DPO)/run --data $(DPO)/data > $(DPO)/pref-after.json
 	$(DPO_EVAL) --model $(DPO)/run > $(DPO)/after.json
-	$(BIN)/ladle run reward --config configs/tiny/reward.yaml
+	$(BIN)/ladle run reward --config configs/tiny/reward.yaml $(PRECISION_OPT)
 	$(BIN)/ladle eval --task reward --model $(DPO)/reward --data $(DPO)/data > $(DPO)/reward.json
 	@$(BIN)/python -c "$$DPO_SUMMARY"
 
@@ -114,7 +119,7 @@ GRPO := runs/grpo
 grpo-demo: setup $(SFT)/run/checkpoints/latest $(GRPO)/prompts/meta.json
 	rm -rf $(GRPO)/run
 	$(GRPO_EVAL) --model $(SFT)/run > $(GRPO)/before.json
-	$(BIN)/ladle run grpo --config configs/tiny/grpo.yaml
+	$(BIN)/ladle run grpo --config configs/tiny/grpo.yaml $(PRECISION_OPT)
 	$(GRPO_EVAL) --model $(GRPO)/run > $(GRPO)/after.json
 	@$(BIN)/python -c "$$GRPO_SUMMARY"
 
@@ -135,13 +140,13 @@ $(GRPO)/prompts/meta.json: $(DEMO)/tokenizer/tokenizer.json
 	$(BIN)/ladle data synth $(DPO_TASK) --output $(GRPO)/task
 	$(BIN)/ladle data prepare --task prompts --input $(GRPO)/records/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(GRPO)/prompts
 
-# --- the PPO demo: the SFT demo's model trained on its own answers, scored by the DPO demo's reward model
+# --- the PPO demo: the SFT demo's model trained on its own answers, scored by the DPO demo's reward model and the exact rule
 PPO := runs/ppo
 
 ppo-demo: setup $(SFT)/run/checkpoints/latest $(DPO)/reward/checkpoints/latest $(PPO)/prompts/meta.json
 	rm -rf $(PPO)/run
 	$(GRPO_EVAL) --model $(SFT)/run > $(PPO)/before.json
-	$(BIN)/ladle run ppo --config configs/tiny/ppo.yaml
+	$(BIN)/ladle run ppo --config configs/tiny/ppo.yaml $(PRECISION_OPT)
 	$(GRPO_EVAL) --model $(PPO)/run > $(PPO)/after.json
 	@$(BIN)/python -c "$$PPO_SUMMARY"
 
@@ -151,9 +156,13 @@ recs = [json.loads(l) for l in open('$(PPO)/run/metrics.jsonl')]
 val = [r for r in recs if 'val_reward_mean' in r]
 kl = [r['kl'] for r in recs if 'kl' in r]
 b, a = (json.load(open(f'$(PPO)/{n}.json')) for n in ('before', 'after'))
-print(f"ppo-demo: held-out prompts' mean reward-model score {val[0]['val_reward_mean']:.2f} before, "
-      f"{val[-1]['val_reward_mean']:.2f} after {val[-1]['step']} steps; KL to the start per token at most {max(kl):.3f}; "
-      f"task accuracy (greedy, exact) {b['accuracy']:.0%} before, {a['accuracy']:.0%} after")
+ev = [r['explained_variance'] for r in recs if 'explained_variance' in r]
+f, l = val[0], val[-1]
+print(f"ppo-demo: held-out prompts' mean reward {f['val_reward_mean']:.2f} before, {l['val_reward_mean']:.2f} after "
+      f"{l['step']} steps (reward model {f['val_reward_model_mean']:.2f} -> {l['val_reward_model_mean']:.2f}, exact "
+      f"{f['val_reward_exact_mean']:.0%} -> {l['val_reward_exact_mean']:.0%} sampled); critic's explained variance "
+      f"{ev[0]:.2f} -> {ev[-1]:.2f}; KL to the start per token at most {max(kl):.3f}; task accuracy (greedy, exact) "
+      f"{b['accuracy']:.0%} before, {a['accuracy']:.0%} after")
 endef
 export PPO_SUMMARY
 

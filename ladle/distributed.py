@@ -16,6 +16,7 @@ from ladle import device as dev
 from ladle import watchdog
 
 _device = torch.device("cpu")  # where this process group's collectives take their tensors
+_before_shutdown: list = []  # what must end while the group lives (an in-process inference engine)
 
 
 def init(device: torch.device, timeout_s: float = 600.0, trace_dir: str | None = None) -> None:
@@ -35,8 +36,15 @@ def init(device: torch.device, timeout_s: float = 600.0, trace_dir: str | None =
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def before_shutdown(fn) -> None:
+    """Call `fn` at `shutdown`, before the group is destroyed (once)."""
+    _before_shutdown.append(fn)
+
+
 def shutdown() -> None:
-    if dist.is_initialized():
+    while _before_shutdown:
+        _before_shutdown.pop()()
+    if dist.is_initialized():  # (vLLM's engine destroys the group it joined when it shuts down)
         dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -193,12 +194,72 @@ def test_policy_loss_on_rollouts_is_reinforce_at_the_first_step():
     for a, p in zip(got, model.parameters(), strict=True):
         assert torch.allclose(a, p.grad, atol=1e-6)
     summary = loss.summarize({k: float(v) for k, v in out.metrics.items()}, out.count, 1)
-    assert set(summary) == {"kl", "clip_fraction", "entropy"}
+    assert set(summary) == {"kl", "clip_fraction", "entropy", "rollout_kl"}
+    assert summary["rollout_kl"] == pytest.approx(0.0, abs=1e-6)  # fp32: the sampler is the trainer
     m = batch["targets"] != -100
     logits = model(batch["tokens"]).detach()
     assert summary["entropy"] == pytest.approx(entropy(logits[m]).mean().item(), rel=1e-5)
     with pytest.raises(ValueError, match="loss_agg 'mean': choose one of token-mean"):
         PolicyLoss(loss_agg="mean")
+
+
+def test_rollout_correction_weights_by_hand():
+    from ladle.rl.algorithms import rollout_correction, sampler_kl
+
+    train = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, -0.3, 0.0, 0.0]])
+    sample = torch.tensor([[-2.0, -1.5, -0.5, 0.0], [-0.3, -1.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    e = math.e
+    # token ratios: e^1, e^-0.5, 1 | 1, e^1.2; cap 2 truncates e and e^1.2
+    w, hit = rollout_correction(train, sample, mask, "tis", "token", 2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, e**-0.5, 1.0, 0.0], [1.0, 2.0, 0.0, 0.0]]))
+    assert hit.tolist() == [[True, False, False, False], [False, True, False, False]]
+    # mis: inside [1/2, 2] the ratio stays (e^-0.5 = 0.61 does), outside it the token leaves
+    w, hit = rollout_correction(train, sample, mask, "mis", "token", 2.0)
+    assert torch.allclose(w, torch.tensor([[0.0, e**-0.5, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+    assert hit.tolist() == [[True, False, False, False], [False, True, False, False]]
+    # sequence: the product of the tokens' ratios, e^0.5 = 1.65 and e^1.2 = 3.32, on every token
+    w, hit = rollout_correction(train, sample, mask, "tis", "sequence", 2.0)
+    assert torch.allclose(w, torch.tensor([[e**0.5] * 3 + [0.0], [2.0, 2.0, 0.0, 0.0]]))
+    assert hit.tolist() == [[False] * 4, [True, True, False, False]]
+    w, _ = rollout_correction(train, sample, mask, "mis", "sequence", 2.0)
+    assert torch.allclose(w, torch.tensor([[e**0.5] * 3 + [0.0], [0.0] * 4]))
+    w, hit = rollout_correction(train, sample, mask, "none")
+    assert torch.equal(w, mask.float()) and not hit.any()
+    # KL(sampler || trainer), k3 with d = sample - train: exp(-d) - 1 + d
+    d = sample - train
+    assert torch.allclose(sampler_kl(train, sample), torch.exp(-d) - 1 + d)
+    with pytest.raises(ValueError, match="rollout_correction_cap must be above 1"):
+        rollout_correction(train, sample, mask, "tis", "token", 1.0)
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+def test_policy_loss_with_rollout_correction_weights_the_surrogate(mode):
+    torch.manual_seed(0)
+    R, T, V, cap = 3, 5, 7, 1.5
+    mask = torch.ones(R, T, dtype=torch.bool)
+    mask[2, 3:] = False
+    targets = torch.randint(0, V, (R, T)).masked_fill(~mask, -100)
+    logits = torch.randn(int(mask.sum()), V, requires_grad=True)  # the response positions' (forward)
+    logps = torch.zeros(R, T)
+    logps[mask] = torch.log_softmax(logits.detach(), -1).gather(-1, targets[mask][:, None])[:, 0]
+    sample = (logps + 0.5 * torch.randn(R, T)) * mask
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    batch = {"targets": targets, "advantages": adv, "sample_logps": sample, "lengths": torch.full((R,), T)}
+    out = PolicyLoss(correction=mode, correction_cap=cap).from_output(logits, batch)
+    # by hand: the first update's ratio is 1, so each token's surrogate is -A, weighted by rho's
+    rho = torch.exp(logps - sample)
+    w = rho.clamp(max=cap) if mode == "tis" else torch.where((rho < 1 / cap) | (rho > cap), 0.0, rho)
+    assert float(out.sum.detach()) == pytest.approx(float((-adv[:, None] * w * mask).sum()), abs=1e-5)
+    assert out.count == int(mask.sum())  # a masked token still counts (slime's MIS)
+    hit = ((rho > cap) | ((rho < 1 / cap) & (mode == "mis"))) & mask
+    assert float(out.metrics["rollout_is_clipped_frac"]) == pytest.approx(float(hit.sum()))
+    assert float(out.metrics["rollout_is_weight_mean"]) == pytest.approx(float((w * mask).sum()), abs=1e-5)
+    assert 0 < float(hit.sum()) < mask.sum()  # the case has both kinds of token
+    # without a correction the loss is the plain surrogate, and the KL is still logged
+    plain = PolicyLoss().from_output(logits, batch)
+    assert float(plain.sum.detach()) == pytest.approx(float((-adv[:, None] * mask).sum()), abs=1e-5)
+    assert "rollout_is_weight_mean" not in plain.metrics and float(plain.metrics["rollout_kl"]) > 0
 
 
 # -- the recipe -----------------------------------------------------------------------------------
@@ -292,7 +353,27 @@ def test_dynamic_sampling_keeps_groups_with_a_signal_and_refills(chat_tokenizer,
     assert rec["response_len_mean"] <= 2 and math.isfinite(rec["loss"])
 
 
-def test_grpo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, tmp_path, capsys):
+def test_rollout_correction_with_the_local_engine_in_fp32_changes_nothing(
+    chat_tokenizer, prompt_data, tmp_path
+):
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    runs = {}
+    for mode in ("none", "tis"):
+        cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / mode, rollout_correction=mode)
+        cfg["train"]["max_steps"] = 2
+        assert load("grpo").run(build_config(cfg)) == "completed"
+        runs[mode] = [r for r in read_metrics(tmp_path / mode) if "loss" in r]
+    for plain, tis in zip(runs["none"], runs["tis"], strict=True):
+        assert tis["loss"] == pytest.approx(plain["loss"], abs=1e-5)
+        assert tis["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert tis["rollout_is_clipped_frac"] == 0.0 and tis["rollout_kl"] < 1e-8
+        assert "rollout_is_weight_mean" not in plain
+
+
+def test_grpo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, tmp_path, capsys, monkeypatch):
     import yaml
 
     from ladle.cli import main
@@ -312,6 +393,18 @@ def test_grpo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, tmp_path
     path.write_text(yaml.safe_dump(cfg))
     assert main(["run", "grpo", "--config", str(path)]) == 2
     assert "prompt 0 has no field 'solution'" in capsys.readouterr().err
+
+    def refused(message: str, **grpo) -> None:
+        path.write_text(yaml.safe_dump(grpo_config(chat_tokenizer, prompt_data, tmp_path / "v", **grpo)))
+        assert main(["run", "grpo", "--config", str(path)]) == 2
+        assert message in capsys.readouterr().err
+
+    refused("rollout_correction_cap", rollout_correction="tis", rollout_correction_cap=1.0)
+    refused("grpo.engine_args: arguments for the vLLM engine, but grpo.engine is ladle", engine_args={"x": 1})
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as where the extra is not installed
+    refused("grpo.engine=vllm needs vLLM, which is not installed here", engine="vllm")
+    refused("pip install 'ladle[vllm]'", engine="vllm")
+    assert not (tmp_path / "v").exists()  # refused before anything ran
 
 
 @pytest.mark.slow

@@ -253,3 +253,36 @@ def test_load_names_a_file_that_shrinks_while_read(saved, monkeypatch):
     monkeypatch.setattr(reader, "_read_header", then_truncate)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: the file ends inside a tensor"):
         load_hf(out)
+
+
+@pytest.mark.parametrize("kind", ["llama", "tied", "glm4", "qwen3_moe", "lora", "dora"])
+def test_streamed_weights_are_the_exported_folders(tmp_path, kind):
+    """stream_hf (what an inference engine is fed) gives, one tensor at a time, the tensors
+    save_hf writes: GLM's gate_up_proj joined, experts one by one, adapters merged."""
+    from ladle.config.schema import LoRAConfig, MoEConfig
+    from ladle.models.lora import apply_lora, merge_lora
+    from ladle.models.stream import stream_hf
+
+    kw = {
+        "tied": {"tie_embeddings": True},
+        "glm4": {"family": "glm4", "qkv_bias": True, "rope_interleaved": True, "partial_rotary_factor": 0.5,
+                 "post_norms": True},
+        "qwen3_moe": {"family": "qwen3_moe", "qk_norm": True, "moe": MoEConfig(n_experts=4, top_k=2, ffn_dim=16)},
+    }.get(kind, {})  # fmt: skip
+    cfg = tiny(**kw)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    if kind in ("lora", "dora"):
+        apply_lora(model, LoRAConfig(rank=4, dora=kind == "dora"))
+        for n, p in model.named_parameters():  # B is 0 at init: give the adapters a delta to merge
+            if "lora_" in n:
+                torch.nn.init.normal_(p, std=0.2)
+    streamed = list(stream_hf(model, cfg))
+    if kind in ("lora", "dora"):
+        merge_lora(model)
+    save_hf(model.state_dict(), cfg, tmp_path / "hf")
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    names = [n for n, _ in streamed]
+    assert sorted(names) == sorted(saved) and len(set(names)) == len(names)
+    for name, t in streamed:
+        assert torch.equal(t, saved[name]), name

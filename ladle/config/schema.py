@@ -7,7 +7,7 @@ its own ranges; checks that span sections live in `LadleConfig`. Checks that nee
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -635,7 +635,15 @@ class RolloutConfig(Section):
         256, ge=1, description="response tokens at most; `data.seq_len` holds prompt + response"
     )
     stop: list[str] = Field(default_factory=list, description="strings that end a response")
-    rollout_batch: int = Field(64, ge=1, description="rows per generation batch")
+    rollout_batch: int = Field(64, ge=1, description="rows per generation batch (ladle's engine)")
+    engine: Literal["ladle", "vllm"] = Field(
+        "ladle",
+        description="what generates the rollouts: `ladle` (the training model itself, as laid out) or `vllm` (vLLM in each training process, the policy's weights streamed to it after every update; the extra `ladle[vllm]`); docs/rl.md",
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM's engine arguments (`gpu_memory_utilization`, `enforce_eager`, `max_num_seqs`, `enable_sleep_mode`, ...), checked against vLLM's before launch",
+    )
     balance: bool = Field(
         True,
         description="with several data-parallel ranks: after generation, whole groups move between ranks so each trains on about as many tokens (logged: `train_imbalance`)",
@@ -649,6 +657,15 @@ class RolloutConfig(Section):
         True,
         description="shared placement: on an accelerator, the models a phase does not use wait in host memory (the reference and reward model while generating and training, the critic and its optimizer state while generating); every model stays on every rank",
     )
+    rollout_correction: Literal["none", "tis", "mis"] = Field(
+        "none",
+        description="for the sampler/trainer mismatch (another engine, precision, stale weights): `tis` weights each token's policy loss by min(p_train / p_sample, cap), `mis` masks tokens (or responses) whose ratio is outside [1/cap, cap]; `rollout_kl` is logged either way (docs/rl.md)",
+    )
+    rollout_correction_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="the ratio per `token`, or per response (`sequence`: the product over its tokens)",
+    )
+    rollout_correction_cap: float = Field(2.0, gt=1, description="the cap of `rollout_correction` (above 1)")
 
 
 class GRPOConfig(RolloutConfig):
@@ -768,6 +785,19 @@ class PPOConfig(RolloutConfig):
         None,
         gt=0,
         description="the critic's learning rate (its optimizer, schedule and clipping are otherwise the run's); null: `optim.lr`",
+    )
+    normalize_rewards: bool = Field(
+        True,
+        description="each score standardised by the running mean and std of every score so far (checkpointed), before the KL penalty: the critic's targets keep one scale whatever the reward model's offset and spread (OpenRLHF's normalize_reward)",
+    )
+    value_head: Literal["zero", "keep"] = Field(
+        "zero",
+        description="the critic's value head at the start: `zero` (every value 0, the running mean of the normalised rewards, so the first advantages are the rewards themselves), or `keep` the head of `critic_init` (a reward model's score head judges whole responses, and its scores of partial ones mislead GAE)",
+    )
+    critic_warmup: int = Field(
+        0,
+        ge=0,
+        description="the first steps train the critic alone: the actor's update waits until the values fit (verl's critic_warmup)",
     )
     placement: Literal["shared", "separated"] = Field(
         "shared",

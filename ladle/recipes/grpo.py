@@ -16,7 +16,7 @@ import functools
 
 from ladle.config import LadleConfig
 from ladle.recipes.base import Setup, Training
-from ladle.recipes.rl import RLRecipe, every_batch, rollout_loader
+from ladle.recipes.rl import RLRecipe, correction, every_batch, rollout_loader
 from ladle.rl import roles
 from ladle.rl.advantages import group_advantages
 from ladle.rl.losses import PolicyLoss
@@ -47,6 +47,7 @@ class GRPO(RLRecipe):
             kl_estimator=g.kl_estimator,
             temperature=g.temperature,
             entropy_coef=g.entropy_coef,
+            **correction(g),
         )
         loss.all_positions = s.par.sequence_sharded
 

@@ -27,11 +27,12 @@ import torch
 from ladle.config import LadleConfig
 from ladle.errors import ConfigError
 from ladle.recipes.base import Setup, Training
-from ladle.recipes.rl import RLRecipe, every_batch, rollout_loader
+from ladle.recipes.rl import RLRecipe, correction, every_batch, rollout_loader
 from ladle.rl import roles
 from ladle.rl.advantages import gae_advantages
 from ladle.rl.losses import PolicyLoss, ValueLoss
 from ladle.rl.placement import CriticSide, Pair, Remote
+from ladle.rl.stats import RunningMoments
 from ladle.rl.trainers import CRITIC, PairedTrainer, TwoUnitTrainer
 from ladle.train.builder import build_laid_out
 from ladle.train.loss import IGNORE_INDEX
@@ -54,6 +55,7 @@ class PPO(RLRecipe):
 
     def check_paths(self, cfg: LadleConfig) -> None:
         roles.check_paths(cfg, critic=True)
+        self.check_engine(cfg)
 
     def placement(self, cfg: LadleConfig):
         if cfg.ppo.placement == "separated":
@@ -81,13 +83,15 @@ class PPO(RLRecipe):
             critic_cfg = roles.critic_config(cfg)
             built = build_laid_out(critic_cfg, s.par, s.device, load=s.resume.path is None)
             critic = TrainUnit(critic_cfg, built.model, s.device, s.par)
-            describe_critic(s, built.notes)
-            trainer = functools.partial(TwoUnitTrainer, critic=critic, critic_loss=critic_loss(s))
+            describe_critic(s, built.notes, critic.model)
+            trainer = functools.partial(
+                TwoUnitTrainer, critic=critic, critic_loss=critic_loss(s), warmup=p.critic_warmup
+            )
             critic_model, trained = critic.model, ("critic",)
         else:  # on the partner ranks
             critic_model, trained = Remote(pair, "critic"), ()
             reward_model = Remote(pair, "reward") if cfg.rewards.model else None
-            trainer = functools.partial(PairedTrainer, pair=pair, role=s.par.role)
+            trainer = functools.partial(PairedTrainer, pair=pair, role=s.par.role, warmup=p.critic_warmup)
             w = s.par.layout.world
             s.run.events(
                 f"separated placement: the actor and reference on ranks 0-{w - 1}, the critic"
@@ -102,9 +106,12 @@ class PPO(RLRecipe):
             temperature=p.temperature,
             dual_clip=p.dual_clip,
             entropy_coef=p.entropy_coef,
+            **correction(p),
         )
         loss.console = (*PolicyLoss.console, "value_loss")
         loss.all_positions = s.par.sequence_sharded
+
+        moments = RunningMoments() if p.normalize_rewards else None
 
         def wrap(loader, evaluate):  # validation: the rewards on held-out prompts
             rollouts = rollout_loader(
@@ -114,7 +121,9 @@ class PPO(RLRecipe):
                 rewards,
                 reference=reference,
                 reward_model=reward_model,
-                advantages=functools.partial(gae_advantages, section=p, group=s.par.data_group),
+                advantages=functools.partial(
+                    gae_advantages, section=p, group=s.par.data_group, moments=moments
+                ),
                 values=functools.partial(critic_values, critic_model, s.par.sequence_sharded),
                 old_logps=True,  # the KL in the reward needs them before training
                 on_batch=functools.partial(CriticSide.hand_over, pair) if pair else None,
@@ -122,6 +131,7 @@ class PPO(RLRecipe):
                 reuse=p.ppo_epochs * p.minibatches,
                 minibatches=p.minibatches,
                 trained=trained,
+                keeps={"reward_moments": moments} if moments is not None else None,
             )
             if trained:  # idle while the policy generates
                 rollouts.parking.add("critic", critic.model, critic.optimizer)
@@ -133,7 +143,7 @@ class PPO(RLRecipe):
         """The critic's group of a separated placement: its unit (built from `unit_config`), the
         reward model beside it, and the partner's rollouts as its batches."""
         p = s.cfg.ppo
-        describe_critic(s, [])
+        describe_critic(s, [], s.unit.model)
         models = {"critic": s.unit.model, "reward": roles.reward_model(s.cfg, s.par, s.device, s.run.events)}
 
         def wrap(loader, evaluate):
@@ -163,11 +173,17 @@ def critic_loss(s: Setup) -> ValueLoss:
     return loss
 
 
-def describe_critic(s: Setup, notes: list[str]) -> None:
-    cfg = s.cfg
-    start = cfg.ppo.critic_init or cfg.rewards.model or cfg.model.init_from or "the policy initialisation"
-    new = " (new head)" if any("score head: new" in n for n in notes) else ""
-    s.run.events(f"critic: a value head on {start}{new}, lr {cfg.ppo.critic_lr or cfg.optim.lr}")
+def describe_critic(s: Setup, notes: list[str], model) -> None:
+    """The critic's start, its value head zeroed (`ppo.value_head: zero`), in the run's events."""
+    cfg, p = s.cfg, s.cfg.ppo
+    start = p.critic_init or cfg.rewards.model or cfg.model.init_from or "the policy initialisation"
+    if p.value_head == "zero":
+        roles.zero_value_head(model)  # (a resume then loads the trained head)
+        head = " (head zeroed)"
+    else:
+        head = " (new head)" if any("score head: new" in n for n in notes) else " (its head)"
+    warm = f"; it trains alone for the first {p.critic_warmup} steps" if p.critic_warmup else ""
+    s.run.events(f"critic: a value head on {start}{head}, lr {p.critic_lr or cfg.optim.lr}{warm}")
 
 
 RECIPE = PPO()

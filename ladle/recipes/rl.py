@@ -10,7 +10,7 @@ from ladle.config import LadleConfig
 from ladle.data.prompts import PromptSamples, PromptSplit
 from ladle.errors import ConfigError
 from ladle.recipes.base import Recipe, Setup
-from ladle.rl import roles
+from ladle.rl import roles, vllm
 from ladle.rl.engine import LocalEngine
 from ladle.rl.loader import RolloutLoader, end_ids
 from ladle.rl.roles import Parking
@@ -33,6 +33,18 @@ class RLRecipe(Recipe):
 
     def check_paths(self, cfg: LadleConfig) -> None:
         roles.check_paths(cfg)
+        self.check_engine(cfg)
+
+    def check_engine(self, cfg: LadleConfig) -> None:
+        """The rollout engine is installed and takes its arguments (`engine: vllm`)."""
+        section = getattr(cfg, self.section)
+        if section.engine == "vllm":
+            vllm.check(section, cfg.model, self.section)
+        elif section.engine_args:
+            raise ConfigError(
+                f"{self.section}.engine_args: arguments for the vLLM engine, but {self.section}.engine is "
+                f"{section.engine}; set {self.section}.engine: vllm or remove them"
+            )
 
     def samples(self, cfg: LadleConfig, split: str, found) -> PromptSamples:
         tok = found["tokenizer"]
@@ -45,6 +57,15 @@ class RLRecipe(Recipe):
             )
         pad = tok.pad_id if tok.pad_id is not None else 0
         return PromptSamples(PromptSplit(cfg.data.path, split), room, pad_id=pad, name=split)
+
+
+def correction(section) -> dict:
+    """PolicyLoss's rollout-correction arguments from an RL config section."""
+    return {
+        "correction": section.rollout_correction,
+        "correction_level": section.rollout_correction_level,
+        "correction_cap": section.rollout_correction_cap,
+    }
 
 
 def every_batch(cfg: LadleConfig, steps: int, name: str) -> None:
@@ -60,7 +81,7 @@ def rollout_loader(
     s: Setup, inner, section, rewards: tuple, *, reference=None, reward_model=None, **kw
 ) -> RolloutLoader:
     """The loop's loader of rollout batches made from `inner`'s prompts: the policy generates in
-    this process (`LocalEngine`), the rule `rewards` (`roles.load_rewards`: the terms and the
+    this process (`LocalEngine`, or vLLM's engine fed its weights: `VLLMEngine`), the rule `rewards` (`roles.load_rewards`: the terms and the
     prompts' records) and `reward_model` score, `reference` gives the KL's log-probs; `kw`:
     RolloutLoader's (advantages, reuse, ...)."""
     tok = s.found["tokenizer"]
@@ -68,17 +89,32 @@ def rollout_loader(
     parking = Parking(s.device, enabled=section.offload_idle)
     parking.add("reference", reference)
     parking.add("reward", reward_model)
-    engine = LocalEngine(
-        s.unit.model,
-        seed=s.cfg.seed,
-        end_ids=end_ids(tok),
-        decode=tok.decode,
-        pad_id=tok.pad_id if tok.pad_id is not None else 0,
-        batch_size=section.rollout_batch,
-        group=s.par.group,  # the ranks of the model's layout (this group of a separated placement)
-        seq_multiple=s.par.layout.tp,
-        context=s.unit.numerics,
-    )
+    if section.engine == "vllm":
+        precision = s.unit.precision
+        engine = vllm.VLLMEngine(
+            s.unit.model,
+            s.cfg.model,
+            optimizer=s.unit.optimizer,
+            seed=s.cfg.seed,
+            end_ids=end_ids(tok),
+            decode=tok.decode,
+            dtype=precision.autocast_dtype or precision.param_dtype,
+            max_len=s.cfg.data.seq_len,
+            engine_args=section.engine_args,
+            device=s.device,
+        )
+    else:
+        engine = LocalEngine(
+            s.unit.model,
+            seed=s.cfg.seed,
+            end_ids=end_ids(tok),
+            decode=tok.decode,
+            pad_id=tok.pad_id if tok.pad_id is not None else 0,
+            batch_size=section.rollout_batch,
+            group=s.par.group,  # the ranks of the model's layout (this group of a separated placement)
+            seq_multiple=s.par.layout.tp,
+            context=s.unit.numerics,
+        )
     return RolloutLoader(
         inner,
         section=section,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ladle.rl.algorithms import advantages, gae, kl_penalty, standardize, token_rewards
-from ladle.rl.stats import global_moments, global_sum
+from ladle.rl.stats import RunningMoments, global_moments, global_sum
 from ladle.train.loss import IGNORE_INDEX
 
 
@@ -38,14 +38,21 @@ def group_advantages(batches: list[dict], section, group=None) -> dict:
     return {}
 
 
-def gae_advantages(batches: list[dict], section, group=None) -> dict:
+def gae_advantages(batches: list[dict], section, group=None, moments: RunningMoments | None = None) -> dict:
     """PPO's: a response's reward is its score on its last token minus `kl_coef` x KL to the
     reference (`ref_logps`, when the batch has them) on every token; GAE over the critic's
     `old_values` gives per-token advantages and returns; the advantages are whitened over every
-    rank's response tokens (`whiten_advantages`). Logs `kl` (per response token) with a
-    reference. `section`: `ppo.*` (kl_estimator, kl_coef, gamma, lam, whiten_advantages)."""
+    rank's response tokens (`whiten_advantages`). With `moments` the scores are first
+    normalised by the running mean and std of every score so far, this batch's included
+    (`normalize_rewards`). Logs `kl` (per response token) with a reference. `section`: `ppo.*`
+    (kl_estimator, kl_coef, gamma, lam, whiten_advantages)."""
     p = section
     kl_sum, adv, with_ref = 0.0, [], False
+    if moments is not None:
+        live = [b["scores"][(b["targets"] != IGNORE_INDEX).any(-1)].cpu() for b in batches]  # no placeholder
+        moments.update(*global_moments(torch.cat(live), group))
+        for b in batches:
+            b["scores"] = standardize(b["scores"], moments.mean, moments.var, whiten=True)
     for b in batches:
         mask = b["targets"] != IGNORE_INDEX
         kl = torch.zeros_like(b["old_logps"])

@@ -25,6 +25,15 @@ aggregated over the global batch (`loss_agg`, verl's names):
 Each is a sum over a count, the shape of every loss of the shared loop (ladle/train/loss.py), so
 accumulation and data parallelism do not change it.
 
+Rollout correction: the engine that sampled (another kernel, precision or an older copy of the
+weights) is not the policy the trainer scores, so with rho = p_train / p_sample per token (or per
+response, `sequence`: the product over its tokens), each token's policy loss is weighted by
+    tis   min(rho, cap)                                    (truncated importance sampling)
+    mis   rho inside [1 / cap, cap], else 0                (masked: the token, or the whole response,
+                                                           leaves the gradient; it still counts)
+(verl's rollout correction, slime's TIS/MIS), and the sampler-to-trainer KL is k3 with
+d = log p_sample - log p_train, an unbiased estimate on the sampler's own tokens.
+
 PPO, per response token t of a response of length L:
     reward     r_t = -kl_coef KL_t, plus the score of the whole response on its last token
     GAE        delta_t = r_t + gamma V_{t+1} - V_t (V_L = 0);  A_t = delta_t + gamma lam A_{t+1}
@@ -166,6 +175,48 @@ def importance_weights(logps, old_logps, mask, level: str = "token") -> torch.Te
     return IMPORTANCE[level](logps - old_logps, mask)
 
 
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: a sequence's product cannot overflow
+
+
+def rollout_correction(
+    logps: torch.Tensor,
+    sample_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "tis",
+    level: str = "token",
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights (R, T) of each response token's policy loss for the mismatch between the
+    trainer's log-probs and the sampler's, and where the cap acted (R, T, bool: truncated by
+    `tis`, masked by `mis`); 0 and False off the response."""
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout_correction {mode!r}: choose one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"rollout_correction_level {level!r}: choose token or sequence")
+    if cap <= 1:
+        raise ValueError(f"rollout_correction_cap must be above 1, got {cap}")
+    m = mask.to(torch.float32)
+    log_rho = (logps.detach().float() - sample_logps.float()) * m
+    if level == "sequence":
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    rho = torch.exp(log_rho.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    if mode == "none":
+        return m, torch.zeros_like(mask, dtype=torch.bool)
+    if mode == "tis":
+        hit = rho > cap
+        weights = rho.clamp(max=cap)
+    else:
+        hit = (rho < 1 / cap) | (rho > cap)
+        weights = torch.where(hit, torch.zeros_like(rho), rho)
+    return weights * m, hit & mask.bool()
+
+
+def sampler_kl(logps: torch.Tensor, sample_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(sampler || trainer) on the sampler's tokens."""
+    return KL_ESTIMATORS["k3"](sample_logps.float() - logps.detach().float())
+
+
 # -- losses and their aggregation ---------------------------------------------------------------
 def _token_mean(per_token, m, rows, max_len):
     return (per_token * m).sum(), m.sum()
@@ -229,17 +280,21 @@ def policy_loss(
     ref_logps: torch.Tensor | None = None,
     kl_estimator: str = "k3",
     dual_clip: float = 0.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-token loss (R, T) of the clipped surrogate plus kl_coef x KL, and per-token metrics
     (R, T): `kl`, `clipped` (the clip decides the gradient: ratio out of range on the side the
     advantage pushes). `adv`: one per response (R,), or per token (R, T) as PPO's GAE gives;
-    `dual_clip` c > 1 caps a negative advantage's loss at -c A (PPO's dual clip)."""
+    `dual_clip` c > 1 caps a negative advantage's loss at -c A (PPO's dual clip); `weights`
+    (R, T): the rollout correction's, on the surrogate (not the KL)."""
     w = importance_weights(logps, old_logps, mask, importance)
     a = (adv[:, None] if adv.dim() == 1 else adv).to(w.dtype)
     clipped_w = w.clamp(1 - clip_low, 1 + clip_high)
     loss = -torch.minimum(w * a, clipped_w * a)
     if dual_clip:
         loss = torch.where(a < 0, torch.minimum(loss, -dual_clip * a), loss)
+    if weights is not None:
+        loss = loss * weights.detach()
     metrics = {"clipped": (((w < 1 - clip_low) & (a < 0)) | ((w > 1 + clip_high) & (a > 0))).float()}
     if kl_coef:
         if ref_logps is None:

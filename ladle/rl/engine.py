@@ -6,6 +6,7 @@ engine), `generate(...)` for the responses.
 
 `LocalEngine` samples with the training model itself, laid out as it trains (FSDP, TP), inside
 the training processes (ladle/rl/rollout.py `rollout`): its weights are always current.
+`VLLMEngine` (ladle/rl/vllm.py) holds its own copy, which follows the policy's.
 """
 
 from __future__ import annotations
@@ -19,11 +20,20 @@ from ladle.rl.rollout import Rollouts, Sampling, rollout
 
 
 class RolloutEngine:
-    """The interface of a rollout engine."""
+    """The interface of a rollout engine. `copies_weights`: it samples from its own copy of the
+    weights, which `sync_weights` brings up to date (its seconds logged as `weight_sync_s`)."""
 
-    def sync_weights(self) -> None:
-        """Make the policy's current weights the ones `generate` samples with."""
+    copies_weights = False
+
+    def sync_weights(self) -> float:
+        """Make the policy's current weights the ones `generate` samples with; the seconds spent."""
         raise NotImplementedError
+
+    def mark_stale(self) -> None:
+        """The policy's weights changed outside an optimizer step (a state load)."""
+
+    def close(self) -> None:
+        """Release the engine."""
 
     def generate(
         self, prompts: list[list[int]], prompt_index: list[int], sampling: Sampling, *, step: int
@@ -56,8 +66,8 @@ class LocalEngine(RolloutEngine):
         self.pad_id, self.batch_size, self.group, self.seq_multiple = pad_id, batch_size, group, seq_multiple
         self.context = context
 
-    def sync_weights(self) -> None:
-        pass  # the model it samples with is the one being trained
+    def sync_weights(self) -> float:
+        return 0.0  # the model it samples with is the one being trained
 
     def generate(self, prompts, prompt_index, sampling: Sampling, *, step: int) -> Rollouts:
         with self.context():

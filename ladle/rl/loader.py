@@ -59,7 +59,8 @@ class RolloutLoader:
     (its precision and layout give the forward's numerics); `advantages(batches) -> metrics`
     fills each batch's `advantages` (and PPO's `returns`) over the whole batch; `values(batch)`
     adds forward-only scores in place (PPO's critic); `on_batch(batches, bounds)` and
-    `on_validate()` tell a separated placement's partner."""
+    `on_validate()` tell a separated placement's partner; `keeps`: objects with a state_dict
+    that the estimate updates batch by batch, checkpointed with the loader's position."""
 
     console = ("reward_mean",)
 
@@ -86,6 +87,7 @@ class RolloutLoader:
         reuse: int = 1,
         minibatches: int = 1,
         trained: tuple[str, ...] = (),
+        keeps: dict | None = None,
     ):
         self.inner, self.section, self.engine, self.tok = inner, section, engine, tokenizer
         self.rewards, self.records, self.unit, self.seed = rewards, records, unit, seed
@@ -94,6 +96,7 @@ class RolloutLoader:
         self.estimate, self.values = advantages, values
         self.on_batch, self.on_validate = on_batch, on_validate
         self.reuse, self.minibatches = reuse, minibatches
+        self.keeps = keeps or {}  # state that carries over batches (PPO's reward moments): checkpointed
         self.sampling = sampling_of(section)
         self.end_ids = end_ids(tokenizer)
         self.pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
@@ -115,18 +118,27 @@ class RolloutLoader:
         self.uses = 0
         self.data_s = 0.0  # reading the prompts
         self.gen_s = 0.0  # generating, scoring and the forward-only passes of the rollout batch
+        self.sync_s = 0.0  # of which the engine's weight syncs
         self.metrics: dict[str, float] = {}
 
     # the loop's loader interface --------------------------------------------------------------
     def state_dict(self) -> dict:
-        return self.inner.state_dict()
+        state = self.inner.state_dict()
+        if self.keeps:
+            state = {**state, "rl": {k: v.state_dict() for k, v in self.keeps.items()}}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        for k, v in state.pop("rl", {}).items():
+            self.keeps[k].load_state_dict(v)
         self.inner.load_state_dict(state)
         self.cached, self.uses = None, 0
+        self.engine.mark_stale()  # a resume or rollback loads the policy's weights as well
 
     def close(self) -> None:
         self.inner.close()
+        self.engine.close()
 
     def step_metrics(self) -> dict:
         return dict(self.metrics)
@@ -156,6 +168,7 @@ class RolloutLoader:
         """A rollout batch from a step's prompt microbatches: generate and score, arrange,
         forward, advantages."""
         t0 = time.perf_counter()
+        self.sync_s = 0.0
         sampled = [self.sample(b, step) for b in micro]
         parts: dict[str, list] = {}
         for _, _, terms in sampled:
@@ -179,7 +192,7 @@ class RolloutLoader:
         prompts = [row[-int(n) :].tolist() for row, n in zip(b["prompt"], b["prompt_len"], strict=True)]
         index = b["index"].tolist()
         self.parking.park(*self.parking.items)  # the policy alone generates
-        self.engine.sync_weights()
+        self.sync_s += self.engine.sync_weights()
         r = self.engine.generate(prompts, index, self.sampling, step=step)
         rew, terms = self.score(r, prompts, index, split)
         terms["response_len"] = [len(x) for x in r.response_ids]
@@ -387,14 +400,17 @@ class RolloutLoader:
         dev = dist.collective_device()
         gen_tokens = float(sum(parts["response_len"]))
         high = dist.all_reduce_max(
-            torch.tensor([diff or 0.0, gen_tokens, gen_s], dtype=torch.float64, device=dev), self.group
+            torch.tensor([diff or 0.0, gen_tokens, gen_s, self.sync_s], dtype=torch.float64, device=dev),
+            self.group,
         )
-        diff_max, tokens_max, gen_s_max = high.tolist()
+        diff_max, tokens_max, gen_s_max, sync_s_max = high.tolist()
         out = means(parts, self.group)
         total = out["response_len_mean"] * out.pop("responses")
         mean_tokens = total / dist.world_size(self.group)
         if diff is not None:
             out["rollout_logprob_diff"] = diff_max
+        if self.engine.copies_weights:
+            out["weight_sync_s"] = sync_s_max
         out.update(
             rollout_imbalance=tokens_max / mean_tokens if mean_tokens else 1.0,
             rollout_tokens_per_s=total / max(gen_s_max, 1e-9),

@@ -12,9 +12,12 @@ from ladle.rl.algorithms import (
     IMPORTANCE,
     KL_ESTIMATORS,
     LOSS_AGGS,
+    ROLLOUT_CORRECTIONS,
     aggregate,
     entropy,
     policy_loss,
+    rollout_correction,
+    sampler_kl,
     value_loss,
 )
 from ladle.train.loss import IGNORE_INDEX, Loss, LossOut, token_logps
@@ -39,7 +42,12 @@ class PolicyLoss(Loss):
     Without `old_logps` the batch is trained on once, right after it was sampled: the sampling
     policy is the policy itself, and its log-probs are this forward's, detached (ratio 1, no
     second forward pass to compute them). `rollout_logprob_diff` is then the largest difference
-    between them and the batch's `sample_logps`, over every rank."""
+    between them and the batch's `sample_logps`, over every rank.
+
+    With `sample_logps` (the sampler's) the loss logs `rollout_kl`, the sampler-to-trainer KL per
+    token, and with a `correction` (`tis`, `mis`) weights each token's surrogate by the ratio of
+    the trainer's old log-probs to the sampler's (ladle/rl/algorithms.py `rollout_correction`),
+    logging `rollout_is_weight_mean` and `rollout_is_clipped_frac`."""
 
     console = ("kl", "clip_fraction")
 
@@ -56,11 +64,15 @@ class PolicyLoss(Loss):
         temperature: float = 1.0,
         dual_clip: float = 0.0,
         entropy_coef: float = 0.0,
+        correction: str = "none",
+        correction_level: str = "token",
+        correction_cap: float = 2.0,
     ):
         for value, known, name in (
             (importance, IMPORTANCE, "importance"),
             (loss_agg, LOSS_AGGS, "loss_agg"),
             (kl_estimator, KL_ESTIMATORS, "kl_estimator"),
+            (correction, ROLLOUT_CORRECTIONS, "rollout_correction"),
         ):
             if value not in known:
                 raise ValueError(f"{name} {value!r}: choose one of {', '.join(known)}")
@@ -68,6 +80,11 @@ class PolicyLoss(Loss):
         self.loss_agg, self.max_len = loss_agg, max_len
         self.kl_coef, self.kl_estimator, self.temperature = kl_coef, kl_estimator, temperature
         self.dual_clip, self.entropy_coef = dual_clip, entropy_coef
+        self.correction, self.correction_level, self.correction_cap = (
+            correction,
+            correction_level,
+            correction_cap,
+        )
 
     def count(self, batch: dict):
         mask = batch["targets"] != IGNORE_INDEX
@@ -106,6 +123,11 @@ class PolicyLoss(Loss):
                 diff = (
                     ((old - batch["sample_logps"]).abs() * mask).amax() if mask.any() else old.new_zeros(())
                 )
+        weights = hit = None
+        if "sample_logps" in batch:  # the trainer's log-probs at sampling time against the sampler's
+            weights, hit = rollout_correction(
+                old, batch["sample_logps"], mask, self.correction, self.correction_level, self.correction_cap
+            )
         loss, per_token = policy_loss(
             logps,
             old,
@@ -118,6 +140,7 @@ class PolicyLoss(Loss):
             ref_logps=batch.get("ref_logps"),
             kl_estimator=self.kl_estimator,
             dual_clip=self.dual_clip,
+            weights=weights if self.correction != "none" else None,
         )
         # the entropy of the response positions only (not a (B, T, V) pass over the prompts)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
@@ -137,6 +160,11 @@ class PolicyLoss(Loss):
         }
         if "kl" in per_token:
             metrics["kl"] = (per_token["kl"] * m).sum()
+        if weights is not None:
+            metrics["rollout_kl"] = (sampler_kl(old, batch["sample_logps"]) * m).sum()
+            if self.correction != "none":
+                metrics["rollout_is_weight_mean"] = (weights * m).sum()
+                metrics["rollout_is_clipped_frac"] = (hit.float() * m).sum()
         if diff is not None:
             metrics["rollout_logprob_diff_max"] = diff
         return LossOut(total, count, metrics)

@@ -58,6 +58,13 @@ def critic_config(cfg: LadleConfig) -> LadleConfig:
     return scorer_config(cfg, p.critic_init or cfg.rewards.model, optim=optim)
 
 
+@torch.no_grad()
+def zero_value_head(model: torch.nn.Module) -> None:
+    """A critic's value head set to zeros (`ppo.value_head: zero`): every value starts at 0. The
+    shards of a laid-out head are zeroed in place."""
+    model.score.weight.zero_()
+
+
 def check_paths(cfg: LadleConfig, critic: bool = False) -> None:
     """The reward model's shape and vocabulary (and with `critic` the critic's start's), before
     launch."""

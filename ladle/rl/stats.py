@@ -25,6 +25,30 @@ def global_moments(values: torch.Tensor, group=None) -> tuple[float, float, floa
     return n, mean, max((s2 - n * mean * mean) / (n - 1), 0.0) if n > 1 else 0.0
 
 
+class RunningMoments:
+    """Count, mean and (unbiased) variance of every value seen so far, merged batch by batch
+    (Chan et al.'s parallel update), kept in checkpoints: PPO's running reward statistics."""
+
+    def __init__(self):
+        self.n, self.mean, self.var = 0.0, 0.0, 0.0
+
+    def update(self, n: float, mean: float, var: float) -> None:
+        """Merge a batch's (count, mean, unbiased variance)."""
+        if n <= 0:
+            return
+        total = self.n + n
+        delta = mean - self.mean
+        m2 = self.var * max(self.n - 1, 0) + var * max(n - 1, 0) + delta * delta * self.n * n / total
+        self.n, self.mean = total, self.mean + delta * n / total
+        self.var = m2 / (total - 1) if total > 1 else 0.0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "mean": self.mean, "var": self.var}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n, self.mean, self.var = state["n"], state["mean"], state["var"]
+
+
 def global_sum(value: float, group=None) -> float:
     """`value` summed over every rank of `group`."""
     t = torch.tensor([value], dtype=torch.float64, device=dist.collective_device())

@@ -5,6 +5,7 @@ placement, the partners swapping their records after each step (`PairedTrainer`)
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -23,15 +24,27 @@ def critic_metrics(out: StepResult) -> dict:
     return {"value_loss": out.loss, **out.metrics, "critic_grad_norm": out.grad_norm}
 
 
-class TwoUnitTrainer(Trainer):
-    """The shared loop with a step of two units: the actor's update, then the critic's."""
+def held(trainer: Trainer, micro: list[dict[str, torch.Tensor]]) -> StepResult:
+    """A critic warm-up step on the actor's side: its forward and backward for the step's
+    figures (loss, KL, entropy), and no update (lr 0 in the log); the schedule waits too."""
+    result = trainer.unit.forward_backward(micro, trainer.loss)
+    trainer.unit.optimizer.zero_grad(set_to_none=True)
+    finite = math.isfinite(result.loss)
+    return StepResult(
+        result.loss, result.tokens, result.t_bwd, 0.0, 0.0, finite, False, result.metrics, result.local
+    )
 
-    def __init__(self, *args, critic: TrainUnit, critic_loss: ValueLoss, **kw):
+
+class TwoUnitTrainer(Trainer):
+    """The shared loop with a step of two units: the actor's update, then the critic's. During
+    the first `warmup` steps the critic alone is updated."""
+
+    def __init__(self, *args, critic: TrainUnit, critic_loss: ValueLoss, warmup: int = 0, **kw):
         super().__init__(*args, parts={"critic": critic}, **kw)
-        self.critic, self.critic_loss = critic, critic_loss
+        self.critic, self.critic_loss, self.warmup = critic, critic_loss, warmup
 
     def train_step(self, micro: list[dict[str, torch.Tensor]]) -> StepResult:
-        out = super().train_step(micro)
+        out = held(self, micro) if self.step < self.warmup else super().train_step(micro)
         result = self.critic.forward_backward(micro, self.critic_loss)
         update = self.critic.step(result.loss)
         critic = {"value_loss": result.loss, **result.metrics, "critic_grad_norm": update.grad_norm}
@@ -47,12 +60,13 @@ class PairedTrainer(Trainer):
     checkpoint alike. The checkpoint's trainer state is written by rank 0, an actor rank: it
     takes the critic's schedule from its partner."""
 
-    def __init__(self, *args, pair: Pair, role: int, **kw):
+    def __init__(self, *args, pair: Pair, role: int, warmup: int = 0, **kw):
         super().__init__(*args, name="critic" if role == CRITIC else POLICY, **kw)
-        self.pair, self.role = pair, role
+        self.pair, self.role, self.warmup = pair, role, warmup
 
     def train_step(self, micro: list[dict[str, torch.Tensor]]) -> StepResult:
-        mine = super().train_step(micro)
+        hold = self.role != CRITIC and self.step < self.warmup  # the critic's warm-up
+        mine = held(self, micro) if hold else super().train_step(micro)
         theirs = self.pair.swap(dataclasses.replace(mine, local=None))
         metrics = mine.metrics if self.role == CRITIC else {**mine.metrics, **critic_metrics(theirs)}
         # both halves count the same bad steps (the actor's guard's verdict, either's non-finite),

@@ -1,0 +1,64 @@
+"""A live model's weights streamed one tensor at a time in a Hugging Face family's names
+(`stream_hf`): what an inference engine's copy of the policy is fed after each update
+(ladle/rl/vllm.py). The same tensors `save_hf` writes, without a whole copy anywhere."""
+
+from __future__ import annotations
+
+import torch
+
+from ladle.config.schema import ModelConfig
+from ladle.models.hf.names import FUSED, hf_layout
+from ladle.models.lora import LoRALinear
+from ladle.models.nf4 import base_weight
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _merged(m: LoRALinear) -> torch.Tensor:
+    """A LoRA/DoRA layer's weight with its adapter folded in, each part gathered whole."""
+    w = base_weight(m, torch.float32) if hasattr(m, "weight_nf4") else _full(m.weight).float()
+    w = w + (_full(m.lora_B.weight).float() @ _full(m.lora_A.weight).float()) * m.scaling
+    if m.use_dora:
+        w = w * (_full(m.lora_magnitude_vector).float() / w.norm(p=2, dim=1))[:, None]
+    return w.to(m.lora_A.weight.dtype)
+
+
+@torch.no_grad()
+def stream_hf(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype | None = None):
+    """(HF name, tensor) pairs of a live model's weights in the family's names, one tensor at a time:
+    each gathered from its shards (FSDP, TP) only when its turn comes, adapters merged in on the
+    fly, experts sliced from their stacked parameter; so a rank never holds more than one whole
+    weight besides its shards. Every rank of the model's layout must iterate together (the
+    gathers are collectives)."""
+    modules = dict(model.named_modules())
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    by_ours: dict[str, list[tuple[str, int | None]]] = {}
+    for hf, (ours, expert, _) in hf_layout(cfg).items():
+        by_ours.setdefault(ours, []).append((hf, expert))
+    pending: dict[str, torch.Tensor] = {}  # GLM's gate rows, waiting for the up rows to join them
+    for ours, names in by_ours.items():
+        module, _, leaf = ours.rpartition(".")
+        m = modules.get(module)
+        if isinstance(m, LoRALinear) and leaf == "weight":
+            full = _merged(m)
+        elif leaf == "weight" and hasattr(m, "weight_nf4"):  # QLoRA's quantized layer without adapter
+            full = base_weight(m)
+        else:
+            full = _full(tensors[ours])
+        if dtype is not None:
+            full = full.to(dtype)
+        for hf, expert in names:
+            t = full if expert is None else full[expert]
+            fused = FUSED.fullmatch(hf)
+            if fused is None:
+                yield hf, t
+            elif fused[2] == "":  # the gate's rows: the up's come next
+                pending[fused[1]] = t
+            else:
+                yield fused[1], torch.cat([pending.pop(fused[1]), t])
+        del full

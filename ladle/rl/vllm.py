@@ -1,0 +1,237 @@
+"""The vLLM rollout engine (`grpo.engine: vllm`, `ppo.engine: vllm`): responses sampled by vLLM's
+offline engine, which brings paged KV memory, continuous batching, prefix caching across a
+prompt's samples and (on accelerators) graph capture. One code path: vLLM on CUDA, vLLM-Ascend
+on an NPU, vLLM's CPU build on a CPU.
+
+Placement: colocated. Each training process holds its own engine, inside the process (vLLM's
+`external_launcher` executor, as trl's colocate mode and verl's hybrid engine run it), of tensor
+parallel degree 1: the data-parallel ranks each generate their own prompts, as with ladle's
+engine. The engine starts from the policy's config alone (`load_format: dummy`) and gets every
+weight from the policy before it first samples.
+
+Weights that follow the policy: after an optimizer step (or a state load: resume, rollback) the
+next `sync_weights` streams the policy's weights to the engine in Hugging Face names, one tensor
+at a time, each gathered from its FSDP / TP shards when its turn comes and LoRA adapters merged on
+the fly (ladle/models/stream.py `stream_hf`), into the worker's `reload_weights`, which also
+redoes a backend's post-load packing. No rank holds a second whole copy of the model. The time is
+logged as `weight_sync_s`.
+
+Sampling: one request per (prompt, sample), seeded from the same key as ladle's own streams
+(ladle/rl/rollout.py `row_seed`), so a response depends on its key, not on its batch; the
+responses of one prompt share its prefill through the prefix cache. Log-probs are vLLM's
+"processed" ones, of softmax(logits / T) after top-k / top-p, the trainer's when neither filter
+is set; the rollout correction (ladle/rl/algorithms.py) covers what differs. Stop strings are
+cut here, after generation (the engine runs without a tokenizer).
+
+With `enable_sleep_mode` in `engine_args` (accelerators), the engine releases its memory
+(weights and KV cache, level 2) after generating and takes it back before the next sync, so the
+training step has the device to itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from ladle import distributed as dist
+from ladle.config.schema import ModelConfig
+from ladle.errors import ConfigError
+from ladle.models.generation import stop_strings
+from ladle.models.hf import hf_config
+from ladle.models.hf.families import FAMILIES
+from ladle.models.stream import stream_hf
+from ladle.rl.engine import RolloutEngine
+from ladle.rl.rollout import Rollouts, Sampling, row_seed
+
+INSTALL = "pip install 'ladle[vllm]' (in a clone of ladle: make setup-vllm)"
+# what ladle sets itself: the engine's model, numerics, seeds and executor follow the run
+FIXED = {
+    "model",
+    "tokenizer",
+    "skip_tokenizer_init",
+    "load_format",
+    "dtype",
+    "seed",
+    "distributed_executor_backend",
+    "logprobs_mode",
+}
+NOT_YET = {  # engine layouts other than one engine per training process
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+}
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def import_vllm(where: str):
+    """vLLM, or a ConfigError (exit 2) with the install line."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"{where}=vllm needs vLLM, which is not installed here ({e}); {INSTALL}") from None
+    return vllm
+
+
+def check(section, model: ModelConfig, name: str) -> None:
+    """Before launch: vLLM is installed, knows every `engine_args` key (and ladle does not set it
+    itself), and can load the policy's architecture."""
+    vllm = import_vllm(f"{name}.engine")
+    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    for key, value in section.engine_args.items():
+        if key not in known:
+            close = sorted(k for k in known if key.split("_")[0] in k)[:6]
+            hint = f" (did you mean one of {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"{name}.engine_args.{key}: vLLM has no engine argument {key!r}{hint}")
+        if key in FIXED:
+            raise ConfigError(
+                f"{name}.engine_args.{key}: ladle sets {key} itself (the engine follows the run's "
+                "model, precision and seed); remove it"
+            )
+        if key in NOT_YET and value != NOT_YET[key]:
+            raise ConfigError(
+                f"{name}.engine_args.{key}={value}: the vLLM engine runs one copy per training process "
+                f"(colocated, {key} 1) for now; remove it, and scale with the training layout's ranks"
+            )
+    arch = FAMILIES[model.family][0]
+    supported = set(vllm.ModelRegistry.get_supported_archs())
+    if arch not in supported:
+        can = sorted(f for f, (a, _) in FAMILIES.items() if a in supported)
+        raise ConfigError(
+            f"model.family={model.family}: this vLLM cannot load {arch}; {name}.engine=vllm serves the "
+            f"families {', '.join(can)} (or set {name}.engine: ladle)"
+        )
+
+
+class VLLMEngine(RolloutEngine):
+    """vLLM inside this training process, fed the policy's weights (see the module docstring).
+    `model`: the policy as it trains (laid out); `optimizer`: its optimizer, whose steps mark the
+    engine's copy stale; `max_len`: prompt + response tokens at most."""
+
+    copies_weights = True
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_cfg: ModelConfig,
+        *,
+        optimizer,
+        seed: int,
+        end_ids: set[int],
+        decode,
+        dtype: torch.dtype,
+        max_len: int,
+        engine_args: dict,
+        device: torch.device,
+    ):
+        vllm = import_vllm("engine")
+        self.model, self.model_cfg, self.seed, self.end_ids, self.decode = (
+            model,
+            model_cfg,
+            seed,
+            end_ids,
+            decode,
+        )
+        self.dtype = dtype
+        self.folder = tempfile.mkdtemp(prefix="ladle-vllm-")
+        config = hf_config(model_cfg, eos_id=min(end_ids) if end_ids else None, torch_dtype=DTYPES[dtype])
+        with open(os.path.join(self.folder, "config.json"), "w") as f:
+            json.dump(config, f)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+        # the executor reads torchrun's variables; a one-process run has none (it joins our group)
+        rank, world = dist.rank(), dist.world_size()
+        for key, value in (("RANK", rank), ("LOCAL_RANK", dist.local_rank()), ("WORLD_SIZE", world)):
+            os.environ.setdefault(key, str(value))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        args = {
+            "enable_prefix_caching": True,
+            "enforce_eager": device.type == "cpu",
+            "max_model_len": max_len,
+            # colocated with training: a share of the device (on a CPU, of its memory for the KV cache)
+            **({"kv_cache_memory_bytes": 2**28} if device.type == "cpu" else {"gpu_memory_utilization": 0.3}),
+            **engine_args,
+            "model": self.folder,
+            "skip_tokenizer_init": True,
+            "load_format": "dummy",  # every weight comes from the policy at the first sync
+            "dtype": DTYPES[dtype],
+            "seed": seed,
+            "distributed_executor_backend": "external_launcher",  # in this process, on its process group
+            "logprobs_mode": "processed_logprobs",  # of softmax(logits / T), as the trainer's
+        }
+        self.sleeps = bool(args.get("enable_sleep_mode"))
+        self.llm = vllm.LLM(**args)
+        # vLLM tears down the process group it joined when its engine shuts down: at the run's end
+        dist.before_shutdown(self.shutdown)
+        self.stale, self.asleep = True, False
+        optimizer.register_step_post_hook(lambda *_: self.mark_stale())
+        self._params, self._prompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
+
+    def mark_stale(self) -> None:
+        """The policy's weights changed (an optimizer step, a state load): sync before sampling."""
+        self.stale = True
+
+    def sync_weights(self) -> float:
+        t0 = time.perf_counter()
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        if self.stale:
+            pairs = stream_hf(self.model, self.model_cfg, self.dtype)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+            self.stale = False
+        return time.perf_counter() - t0
+
+    def generate(self, prompts, prompt_index, sampling: Sampling, *, step: int) -> Rollouts:
+        keys = [(p, i, s) for p, i in zip(prompts, prompt_index, strict=True) for s in range(sampling.n)]
+        params = [
+            self._params(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=sampling.max_new_tokens,
+                stop_token_ids=sorted(self.end_ids),
+                logprobs=0,
+                seed=row_seed(self.seed, step, i, s),
+                detokenize=False,
+            )
+            for _, i, s in keys
+        ]
+        done = self.llm.generate(
+            [self._prompt(prompt_token_ids=list(p)) for p, _, _ in keys], params, use_tqdm=False
+        )
+        stop = stop_strings(self.decode, list(sampling.stop)) if sampling.stop else None
+        out = Rollouts()
+        for (p, i, s), result in zip(keys, done, strict=True):
+            c = result.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(step_lps[t].logprob) for t, step_lps in zip(ids, c.logprobs, strict=True)]
+            finished = c.finish_reason == "stop"
+            if stop is not None:
+                cut = next((k for k in range(1, len(ids) + 1) if stop(ids[:k])), None)
+                if cut is not None:
+                    ids, lps, finished = ids[:cut], lps[:cut], True
+            out.prompt_index.append(i)
+            out.sample_index.append(s)
+            out.prompt_ids.append(list(p))
+            out.response_ids.append(ids)
+            out.sample_logps.append(lps)
+            out.finished.append(finished)
+        if self.sleeps:  # the training step gets the device back; the weights come again at the sync
+            self.llm.sleep(level=2)
+            self.asleep, self.stale = True, True
+        return out
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None

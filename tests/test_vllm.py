@@ -1,0 +1,178 @@
+"""The vLLM rollout engine (ladle/rl/vllm.py) on vLLM's CPU build, fp32: its tokens and log-probs
+against ladle's own generator and the trainer's forward, and weights that follow the policy. One
+engine start serves the module (about 20 s). Skipped where vLLM is not installed, except in CI,
+which installs it (`make setup-vllm`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+pytestmark = pytest.mark.skipif(
+    not HAVE_VLLM and not os.environ.get("LADLE_CI"), reason="vLLM is not installed (make setup-vllm)"
+)
+
+END = 1  # the tiny vocabulary's end token
+
+
+@pytest.fixture(scope="module")
+def policy():
+    """A tiny Llama (head_dim 64: vLLM's CPU attention takes no smaller), its optimizer, and one
+    vLLM engine fed its weights, in a one-process group as a ladle run has."""
+    from ladle import distributed as dist
+    from ladle.config.schema import ModelConfig
+    from ladle.models.llama import build_model
+    from ladle.rl.vllm import VLLMEngine
+
+    assert HAVE_VLLM, "CI installs vLLM's CPU build (make setup-vllm); it is missing"
+    dist.init(torch.device("cpu"))
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=96, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, max_seq_len=128
+    )
+    model = build_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = VLLMEngine(
+        model,
+        cfg,
+        optimizer=opt,
+        seed=3,
+        end_ids={END},
+        decode=lambda ids: "".join(chr(97 + i % 26) for i in ids),
+        dtype=torch.float32,
+        max_len=128,
+        engine_args={},
+        device=torch.device("cpu"),
+    )
+    yield model, opt, engine
+    engine.close()
+    dist.shutdown()  # the engine first, while the group lives (it tears the group down itself)
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+
+
+def local(model, sampling, step=0):
+    from ladle.rl.engine import LocalEngine
+
+    return LocalEngine(model, seed=3, end_ids={END}, decode=None, pad_id=0, batch_size=16).generate(
+        PROMPTS, [0, 1, 2], sampling, step=step
+    )
+
+
+def test_greedy_tokens_equal_ladles_own_generator(policy):
+    from ladle.rl.rollout import Sampling
+
+    model, _, engine = policy
+    greedy = Sampling(n=2, temperature=0.0, max_new_tokens=12)
+    assert engine.sync_weights() > 0  # the first sync: the engine started from dummy weights
+    got = engine.generate(PROMPTS, [0, 1, 2], greedy, step=0)
+    want = local(model, greedy)
+    assert got.response_ids == want.response_ids and got.prompt_index == want.prompt_index
+    assert got.finished == want.finished and got.sample_index == [0, 1] * 3
+    assert all(len(x) == 12 or x[-1] == END for x in got.response_ids)
+
+
+def test_sampled_logprobs_are_the_trainers_and_the_stream_is_keyed(policy):
+    from ladle.rl.rollout import Sampling, response_logps, sequences
+
+    model, _, engine = policy
+    engine.sync_weights()
+    sampling = Sampling(n=3, temperature=0.7, max_new_tokens=10)
+    r = engine.generate(PROMPTS, [0, 1, 2], sampling, step=5)
+    # log-probs of softmax(logits / T): the trainer's forward at the same temperature
+    batch = sequences(r)
+    with torch.no_grad():
+        lp = response_logps(model, batch, temperature=0.7)
+    mask = batch["targets"] != -100
+    assert torch.allclose(batch["sample_logps"][mask], lp[mask], atol=2e-4)
+    # a response is a function of its key (seed, step, prompt, sample), not of its batch
+    again = engine.generate(PROMPTS[1:], [1, 2], sampling, step=5)
+    assert again.response_ids == r.response_ids[3:]
+    other = engine.generate(PROMPTS, [0, 1, 2], sampling, step=6)
+    assert other.response_ids != r.response_ids
+
+
+def test_weights_follow_the_policy_and_a_skipped_sync_shows(policy):
+    from ladle.rl.rollout import Sampling, response_logps, sequences
+
+    model, opt, engine = policy
+    sampling = Sampling(n=2, temperature=1.0, max_new_tokens=8)
+    for _ in range(3):  # large steps: the weights move far
+        opt.zero_grad()
+        batch = sequences(local(model, sampling))
+        (-response_logps(model, batch).sum()).backward()
+        opt.step()
+    assert engine.stale  # the optimizer's steps marked the engine's copy stale
+
+    def gap() -> float:
+        r = engine.generate(PROMPTS, [0, 1, 2], sampling, step=9)
+        batch = sequences(r)
+        with torch.no_grad():
+            lp = response_logps(model, batch)
+        mask = batch["targets"] != -100
+        return float((batch["sample_logps"][mask] - lp[mask]).abs().max())
+
+    engine.stale = False  # a sync skipped: the engine samples from the old weights
+    assert gap() > 1e-2
+    engine.mark_stale()
+    assert engine.sync_weights() > 0
+    assert gap() < 2e-4
+
+
+# -- the recipes with engine: vllm --------------------------------------------------------------
+def vllm_grpo(chat_tokenizer, prompt_data, out, **grpo) -> dict:
+    from test_grpo import grpo_config
+
+    cfg = grpo_config(chat_tokenizer, prompt_data, out, engine="vllm", **grpo)
+    cfg["model"].update(dim=128, n_heads=2, n_kv_heads=1, ffn_dim=128)  # head_dim 64 (vLLM's CPU attention)
+    cfg["train"]["max_steps"] = 3
+    return cfg
+
+
+def test_grpo_on_the_vllm_engine_trains_with_the_engines_figures(chat_tokenizer, prompt_data, tmp_path):
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    cfg = vllm_grpo(chat_tokenizer, prompt_data, tmp_path / "run", num_iterations=1, rollout_correction="tis")
+    assert load("grpo").run(build_config(cfg)) == "completed"
+    recs = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(recs) == 3
+    for r in recs:
+        assert r["weight_sync_s"] > 0  # a sync before each batch: the weights changed at every step
+        assert r["rollout_logprob_diff"] < 1e-3 and r["rollout_kl"] < 1e-6  # fp32: the engine is the trainer
+        assert (
+            r["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and r["rollout_is_clipped_frac"] == 0
+        )
+    assert recs[0]["grad_norm"] > 0 and 1 <= recs[0]["response_len_mean"] <= 8
+
+
+def test_engine_arguments_vllm_does_not_know_are_refused_by_name(
+    chat_tokenizer, prompt_data, tmp_path, capsys
+):
+    import yaml
+
+    from ladle.cli import main
+
+    path = tmp_path / "c.yaml"
+    for args, message in (
+        (
+            {"gpu_memory_utilisation": 0.5},
+            "grpo.engine_args.gpu_memory_utilisation: vLLM has no engine argument",
+        ),
+        ({"seed": 4}, "grpo.engine_args.seed: ladle sets seed itself"),
+        (
+            {"tensor_parallel_size": 2},
+            "grpo.engine_args.tensor_parallel_size=2: the vLLM engine runs one copy",
+        ),
+    ):
+        cfg = vllm_grpo(chat_tokenizer, prompt_data, tmp_path / "r", engine_args=args)
+        path.write_text(yaml.safe_dump(cfg))
+        assert main(["run", "grpo", "--config", str(path)]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()  # refused before anything ran
