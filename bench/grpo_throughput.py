@@ -11,13 +11,16 @@ the group's std, no KL (no reference model), token-mean aggregation (trl's `bnpo
 per rollout batch, fused AdamW, constant lr, no dropout, fp32 (or `--precision bf16-mixed`).
 trl trains on the step's 16 rows in one pass; ladle with `grpo.micro_tokens` (`--micro-tokens`,
 2048: rows of like length in passes of at most that many padded tokens; 0: one pass).
-trl generates with transformers' `generate` (no vLLM, as on a machine without CUDA), ladle with
-its rollouts (keyed per-row random streams, the KV cache). Seconds per optimizer step are medians
+trl generates with transformers' `generate` (no vLLM: its colocate mode does not get past the
+first weight sync on vLLM's CPU build), ladle with each engine of `--engines`: `ladle` (its own
+rollouts: keyed per-row random streams, the KV cache) and `vllm` (vLLM in the process, fed the
+policy's weights after every step; `make setup-vllm`; its start is not in the step times, its
+weight syncs are, and `weight_sync_s` is reported). Seconds per optimizer step are medians
 of `--steps` steps after `--warmup`. Also reported: ladle's share of a step spent generating
 (`gen_s / step_s`, generation and scoring) and its rollout tokens/s (`bench/generate_throughput.py`
 measures plain generation for comparison). Prints one JSON line:
 
-    python bench/grpo_throughput.py [--repeats 3] [--steps 3] [--warmup 1] [--prompts 4] [--samples 4] [--new-tokens 128]
+    python bench/grpo_throughput.py [--repeats 3] [--steps 3] [--warmup 1] [--prompts 4] [--samples 4] [--new-tokens 128] [--engines ladle,vllm]
 
 Needs the bench extras (`pip install -e '.[bench]'`) and trl (a dev extra).
 """
@@ -78,7 +81,7 @@ def prepare(work: Path, n: int) -> tuple[Path, Path, list[str]]:
     return Path(tok), data, rendered
 
 
-def ladle_run(tok, data, work: Path, out: Path, a, prompt_len: int) -> dict:
+def ladle_run(tok, data, work: Path, out: Path, a, prompt_len: int, engine: str = "ladle") -> dict:
     from ladle.config.load import build_config
     from ladle.recipes import load
     from ladle.train.metrics import read_metrics
@@ -103,6 +106,7 @@ def ladle_run(tok, data, work: Path, out: Path, a, prompt_len: int) -> dict:
         "scale": "group",
         "rollout_batch": a.prompts * a.samples,
         "micro_tokens": a.micro_tokens,
+        "engine": engine,
     }
     cfg["rewards"] = {"file": str(work / "rewards.py"), "terms": [{"name": "has_def"}]}
     load("grpo").run(build_config(cfg))
@@ -112,6 +116,7 @@ def ladle_run(tok, data, work: Path, out: Path, a, prompt_len: int) -> dict:
         "gen_share": statistics.median(r["gen_s"] / r["step_s"] for r in recs),
         "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in recs),
         "response_len": statistics.median(r["response_len_mean"] for r in recs),
+        "weight_sync_s": statistics.median(r.get("weight_sync_s", 0.0) for r in recs),
     }
 
 
@@ -163,27 +168,34 @@ def main() -> None:
         default=2048,
         help="ladle's grpo.micro_tokens (0: one training pass a step)",
     )
+    ap.add_argument(
+        "--engines", default="ladle", help="ladle's rollout engines to time, comma-separated: ladle, vllm"
+    )
     a = ap.parse_args()
+    engines = a.engines.split(",")
     sys.path.insert(0, str(Path(__file__).parent))
     from dpo_throughput import tokenizer
 
-    res: dict[str, list] = {"ladle": [], "trl": []}
+    res: dict[str, list] = {**{e: [] for e in engines}, "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tok, data, rendered = prepare(work, 64)
         hf_tok = tokenizer(tok)
         lengths = [len(hf_tok(p, add_special_tokens=False)["input_ids"]) for p in rendered]
         for r in range(a.repeats):
-            res["ladle"].append(ladle_run(tok, data, work, work / f"l{r}", a, max(lengths) + 8))
+            for e in engines:
+                res[e].append(ladle_run(tok, data, work, work / f"{e}{r}", a, max(lengths) + 8, e))
             res["trl"].append(trl_run(tok, rendered, work / f"t{r}", a))
-            print(
-                f"repeat {r}: ladle {res['ladle'][-1]['step_s']:.3f} s/step, trl {res['trl'][-1]:.3f}",
-                file=sys.stderr,
-            )
+            line = ", ".join(f"ladle[{e}] {res[e][-1]['step_s']:.3f}" for e in engines)
+            print(f"repeat {r}: {line}, trl {res['trl'][-1]:.3f} s/step", file=sys.stderr)
     from ladle import device as dev
 
-    ladle_s = statistics.median(x["step_s"] for x in res["ladle"])
     trl_s = statistics.median(res["trl"])
+
+    def med(e: str, key: str) -> float:
+        return statistics.median(x[key] for x in res[e])
+
+    step = {e: round(med(e, "step_s"), 3) for e in engines}
     print(
         json.dumps(
             {
@@ -196,15 +208,17 @@ def main() -> None:
                 "step": f"{a.prompts} prompts x {a.samples} samples, up to {a.new_tokens} new tokens; prompts "
                 f"median {statistics.median(lengths)} tokens; ladle grpo.micro_tokens {a.micro_tokens}",
                 "repeats": a.repeats,
-                "seconds_per_step_median": {"ladle": round(ladle_s, 3), "trl": round(trl_s, 3)},
-                "speedup": round(trl_s / ladle_s, 3),
-                "ladle_generation_share": round(statistics.median(x["gen_share"] for x in res["ladle"]), 3),
-                "ladle_rollout_tokens_per_s": round(
-                    statistics.median(x["rollout_tokens_per_s"] for x in res["ladle"]), 1
-                ),
-                "ladle_response_len": statistics.median(x["response_len"] for x in res["ladle"]),
+                "seconds_per_step_median": {
+                    **{f"ladle[{e}]": s for e, s in step.items()},
+                    "trl": round(trl_s, 3),
+                },
+                "speedup_over_trl": {e: round(trl_s / med(e, "step_s"), 3) for e in engines},
+                "generation_share": {e: round(med(e, "gen_share"), 3) for e in engines},
+                "rollout_tokens_per_s": {e: round(med(e, "rollout_tokens_per_s"), 1) for e in engines},
+                "weight_sync_s": {e: round(med(e, "weight_sync_s"), 4) for e in engines if e != "ladle"},
+                "response_len": {e: med(e, "response_len") for e in engines},
                 "runs": {
-                    "ladle": [round(x["step_s"], 3) for x in res["ladle"]],
+                    **{e: [round(x["step_s"], 3) for x in res[e]] for e in engines},
                     "trl": [round(x, 3) for x in res["trl"]],
                 },
             }

@@ -162,3 +162,28 @@ def test_padding_each_step_to_a_multiple_changes_nothing():
         assert got.tokens == one.tokens
         for a, b in zip(got.logps, one.logps, strict=True):
             assert a == pytest.approx(b, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dense", "mla"])
+def test_a_prompts_samples_share_its_prefill_and_sample_as_without(kind):
+    """Rows with the same prompt are prefilled once and get copies of its cache: the same tokens
+    and log-probs as prefilling every row, the same keyed streams."""
+    from ladle.models.generation import sample
+
+    mla = {  # DeepSeek-V3's latent attention (its cache: the latent and the roped key) and experts
+        "family": "deepseek_v3",
+        "mla": {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4},
+        "moe": {"n_experts": 4, "top_k": 2, "ffn_dim": 16, "scoring": "sigmoid"},
+    }
+    model = tiny_model(**(mla if kind == "mla" else {}))
+    prompts = [[5, 6, 7]] * 3 + [[9, 10]] * 3 + [[11, 12, 13, 14]]
+    got = {}
+    for share in (True, False):
+        gens = [torch.Generator().manual_seed(100 + i) for i in range(len(prompts))]
+        got[share] = sample(
+            model, prompts, max_new_tokens=8, temperature=1.0, row_generators=gens, share_prefix=share
+        )
+    assert got[True].tokens == got[False].tokens
+    for a, b in zip(got[True].logps, got[False].logps, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+    assert len({tuple(t) for t in got[True].tokens[:3]}) > 1  # the samples of one prompt differ

@@ -255,6 +255,81 @@ def test_ppo_whitening_is_over_the_whole_batch(chat_tokenizer, prompt_data, tmp_
     assert torch.allclose(torch.cat([b["advantages"] for b in batches]), want, atol=1e-6)
 
 
+def test_running_reward_moments_merge_as_the_concatenation_and_normalise_the_scores():
+    from types import SimpleNamespace
+
+    from ladle.rl.advantages import gae_advantages
+    from ladle.rl.stats import RunningMoments
+
+    g = torch.Generator().manual_seed(3)
+    chunks = [torch.randn(n, generator=g, dtype=torch.float64) * 3 + 2 for n in (5, 1, 7)]
+    m = RunningMoments()
+    for c in chunks:
+        m.update(float(c.numel()), float(c.mean()), float(c.var()) if c.numel() > 1 else 0.0)
+    every = torch.cat(chunks)
+    assert (
+        m.n == 13
+        and m.mean == pytest.approx(float(every.mean()))
+        and m.var == pytest.approx(float(every.var()))
+    )
+    restored = RunningMoments()
+    restored.load_state_dict(m.state_dict())
+    assert restored.state_dict() == m.state_dict()
+    # in GAE: the scores are standardised by the moments of every score so far, this batch's
+    # included (a placeholder microbatch, trained on nothing, is not counted)
+    targets = torch.full((3, 5), -100)
+    targets[:, 1:4] = 1
+    scores = torch.tensor([1.0, 4.0, 7.0])
+    live = {
+        "targets": targets,
+        "scores": scores.clone(),
+        "old_values": torch.zeros(3, 5),
+        "old_logps": torch.zeros(3, 5),
+    }
+    placeholder = {**live, "targets": torch.full((3, 5), -100), "scores": torch.tensor([100.0] * 3)}
+    section = SimpleNamespace(kl_estimator="k1", kl_coef=0.0, gamma=1.0, lam=1.0, whiten_advantages=False)
+    moments = RunningMoments()
+    moments.update(2.0, 0.0, 2.0)  # two earlier scores: -1 and 1
+    gae_advantages([live, placeholder], section, moments=moments)
+    seen = torch.tensor([-1.0, 1.0, 1.0, 4.0, 7.0], dtype=torch.float64)
+    want = (scores - seen.mean()) / (seen.var() + 1e-8) ** 0.5
+    assert moments.n == 5 and torch.allclose(live["scores"], want.float())
+    # zero values and lam 1: each response token's advantage is its response's normalised score
+    assert torch.allclose(live["advantages"][:, 1:4], want.float()[:, None].expand(3, 3))
+
+
+def test_critic_start_and_warmup(chat_tokenizer, prompt_data, reward_folder, tmp_path):
+    """`value_head: zero` starts every value at 0 (`keep`: the reward model's scores); during
+    `critic_warmup` the actor's weights and schedule wait while the critic learns."""
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    runs = {}
+    for name, ppo in (("zero", {"critic_warmup": 2}), ("keep", {"value_head": "keep"})):
+        cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / name, reward_folder, **ppo)
+        cfg["checkpoint"] = {"every": 2, "keep_last": 3}
+        assert load("ppo").run(build_config(cfg)) == "completed"
+        runs[name] = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+    zero, keep = runs["zero"], runs["keep"]
+    assert zero[0]["value_mean"] == 0.0 and keep[0]["value_mean"] != 0.0
+    assert [r["lr"] for r in zero] == [0.0, 0.0, 3e-3, 3e-3]  # the actor's first update at step 3
+    assert zero[1]["value_loss"] < zero[0]["value_loss"] and zero[1]["critic_grad_norm"] > 0
+    from ladle.ops.export import load_checkpoint_model
+
+    def policy(run: str, step: int | None = None) -> dict:
+        where = tmp_path / run if step is None else tmp_path / run / "checkpoints" / f"step_{step:08d}"
+        return load_checkpoint_model(where)[0].state_dict()
+
+    # the start: a run that stays in its warm-up (the same seed, the same initial weights)
+    fresh = ppo_config(chat_tokenizer, prompt_data, tmp_path / "fresh", reward_folder, critic_warmup=4)
+    fresh["train"]["max_steps"] = 1
+    assert load("ppo").run(build_config(fresh)) == "completed"
+    init, at2, at4 = policy("fresh"), policy("zero", 2), policy("zero", 4)
+    assert all(torch.equal(at2[k], v) for k, v in init.items())
+    assert any(not torch.equal(at4[k], v) for k, v in init.items())
+
+
 def test_ppo_resume_equals_an_uninterrupted_run(chat_tokenizer, prompt_data, tmp_path):
     from ladle.config.load import build_config
     from ladle.recipes import load

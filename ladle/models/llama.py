@@ -69,6 +69,16 @@ class KVCache:
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the cached rows `rows` (indices, repeats allowed): a prompt's prefill copied to
+        each of its samples."""
+        for cached in (self.k, self.v):
+            for layer, t in enumerate(cached):
+                if t is not None:
+                    cached[layer] = t.index_select(0, rows)
+        self.doc_ids = self.doc_ids.index_select(0, rows)
+        self.shape = (len(rows), *self.shape[1:])
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None = None):
