@@ -378,6 +378,11 @@ def test_ppo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, reward_fo
         "ppo.placement=separated puts the actor and reference on one group of ranks and the critic and "
         "reward model on another: it needs a multiple of 2 ranks",
     )
+    refused(
+        ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", placement="separated", engine="vllm"),
+        "ppo.engine=vllm with ppo.placement=separated: vLLM's in-process engine joins every rank",
+    )
+    refused(ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", critic_warmup=-1), "ppo.critic_warmup")
     assert not (tmp_path / "r").exists()
     path.write_text(
         yaml.safe_dump(ppo_config(chat_tokenizer, prompt_data, tmp_path / "r", placement="separated"))

@@ -176,3 +176,17 @@ def test_engine_arguments_vllm_does_not_know_are_refused_by_name(
         assert main(["run", "grpo", "--config", str(path)]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "r").exists()  # refused before anything ran
+
+
+def test_grpo_on_the_vllm_engine_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, tmp_path):
+    """Each rank's engine gets the policy's weights gathered from the FSDP shards: its log-probs
+    are the trainer's, and the keyed streams sample what one process samples."""
+    from conftest import one_and_two_ranks
+
+    cfg = vllm_grpo(chat_tokenizer, prompt_data, tmp_path / "run")
+    cfg["train"]["max_steps"] = 2
+    one, par = one_and_two_ranks("grpo", cfg, tmp_path)
+    for a, b in zip(one, par, strict=True):
+        assert b["rollout_logprob_diff"] < 1e-3 and b["weight_sync_s"] > 0
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)

@@ -55,6 +55,12 @@ class PPO(RLRecipe):
 
     def check_paths(self, cfg: LadleConfig) -> None:
         roles.check_paths(cfg, critic=True)
+        if cfg.ppo.engine == "vllm" and cfg.ppo.placement == "separated":
+            raise ConfigError(
+                "ppo.engine=vllm with ppo.placement=separated: vLLM's in-process engine joins every rank "
+                "of the job, and the critic's ranks hold none; use ppo.placement: shared with vllm, or "
+                "ppo.engine: ladle"
+            )
         self.check_engine(cfg)
 
     def placement(self, cfg: LadleConfig):

@@ -130,14 +130,8 @@ class VLLMEngine(RolloutEngine):
         device: torch.device,
     ):
         vllm = import_vllm("engine")
-        self.model, self.model_cfg, self.seed, self.end_ids, self.decode = (
-            model,
-            model_cfg,
-            seed,
-            end_ids,
-            decode,
-        )
-        self.dtype = dtype
+        self.model, self.model_cfg, self.dtype = model, model_cfg, dtype
+        self.seed, self.end_ids, self.decode = seed, end_ids, decode
         self.folder = tempfile.mkdtemp(prefix="ladle-vllm-")
         config = hf_config(model_cfg, eos_id=min(end_ids) if end_ids else None, torch_dtype=DTYPES[dtype])
         with open(os.path.join(self.folder, "config.json"), "w") as f:
