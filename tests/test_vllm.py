@@ -31,8 +31,17 @@ def policy():
     assert HAVE_VLLM, "CI installs vLLM's CPU build (make setup-vllm); it is missing"
     dist.init(torch.device("cpu"))
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=96, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, max_seq_len=128
+    cfg = (
+        ModelConfig(  # tied, as the demos' models (the engine keeps its head apart); the recipe tests' untied
+            vocab_size=96,
+            dim=128,
+            n_layers=2,
+            n_heads=2,
+            n_kv_heads=1,
+            ffn_dim=256,
+            max_seq_len=128,
+            tie_embeddings=True,
+        )
     )
     model = build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -28,12 +28,13 @@ def _merged(m: LoRALinear) -> torch.Tensor:
 
 
 @torch.no_grad()
-def stream_hf(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype | None = None):
+def stream_hf(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype | None = None, untie: bool = False):
     """(HF name, tensor) pairs of a live model's weights in the family's names, one tensor at a time:
     each gathered from its shards (FSDP, TP) only when its turn comes, adapters merged in on the
     fly, experts sliced from their stacked parameter; so a rank never holds more than one whole
     weight besides its shards. Every rank of the model's layout must iterate together (the
-    gathers are collectives)."""
+    gathers are collectives). `untie`: a tied model's embedding also as `lm_head.weight`, for an
+    engine that keeps the head apart."""
     modules = dict(model.named_modules())
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
@@ -61,4 +62,6 @@ def stream_hf(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype | Non
                 pending[fused[1]] = t
             else:
                 yield fused[1], torch.cat([pending.pop(fused[1]), t])
+        if untie and cfg.tie_embeddings and ours == "embed_tokens.weight":
+            yield "lm_head.weight", full
         del full

@@ -134,6 +134,9 @@ class VLLMEngine(RolloutEngine):
         self.seed, self.end_ids, self.decode = seed, end_ids, decode
         self.folder = tempfile.mkdtemp(prefix="ladle-vllm-")
         config = hf_config(model_cfg, eos_id=min(end_ids) if end_ids else None, torch_dtype=DTYPES[dtype])
+        # a tied head untied in the engine: vLLM's in-place reload leaves a tied head on the weights
+        # it had before (the embedding arrives, the head layer gets nothing and keeps the old ones)
+        config["tie_word_embeddings"] = False
         with open(os.path.join(self.folder, "config.json"), "w") as f:
             json.dump(config, f)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
@@ -176,7 +179,7 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up()
             self.asleep = False
         if self.stale:
-            pairs = stream_hf(self.model, self.model_cfg, self.dtype)
+            pairs = stream_hf(self.model, self.model_cfg, self.dtype, untie=True)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
             self.stale = False
         return time.perf_counter() - t0
