@@ -298,12 +298,23 @@ def test_pipeline_schedules_hold_different_microbatches():
 
 
 def test_rl_recipes_hold_their_extra_models():
+    from ladle.models.llama import count_params
+
     base = big_config(model={"preset": "llama-3.2-1b"}, parallel={"tp": 1, "pp": 1})
     t = Target(devices=8, memory=80 * GiB)
     pre = estimate(base, "pretrain", Layout(dp_shard=8), t)
     ppo = estimate(base, "ppo", Layout(dp_shard=8), t)
     assert "reference: parameters" in ppo.parts and "critic: optimizer state" in ppo.parts
     assert "generation (KV cache, logits)" in ppo.parts and ppo.total > pre.total
+    # the colocated vLLM engine reserves its share of each device (0.3 by default), or its weights
+    # and the KV cache it is given
+    on_vllm = base.model_copy(update={"ppo": base.ppo.model_copy(update={"engine": "vllm"})})
+    engine = estimate(on_vllm, "ppo", Layout(dp_shard=8), t).parts["vLLM engine (weights, KV cache)"]
+    assert engine == int(0.3 * 80 * GiB)
+    sized = on_vllm.ppo.model_copy(update={"engine_args": {"kv_cache_memory_bytes": 2 * GiB}})
+    est = estimate(on_vllm.model_copy(update={"ppo": sized}), "ppo", Layout(dp_shard=8), t)
+    weights = est.parts["vLLM engine (weights, KV cache)"] - 2 * GiB
+    assert weights == count_params(base.model) * 2  # bf16, the whole model on every rank
     separated = base.model_copy(update={"ppo": base.ppo.model_copy(update={"placement": "separated"})})
     sep = estimate(separated, "ppo", Layout(dp_shard=4, roles=2), t)
     assert (

@@ -131,8 +131,8 @@ def sample(
     `model` is a ladle Llama (anything with `new_cache` and `forward(tokens, positions, doc_ids,
     cache, logits_to_keep)`). The whole batch is prefilled in one forward pass, each distinct
     prompt once (`share_prefix`: rows of the same prompt, a prompt's samples, get copies of its
-    cache), then one token per step through the KV cache. On the CPU the linear weights are packed for oneDNN first
-    (ladle/models/prepack.py; 1.5-1.8x the tokens/s of plain `F.linear` on bench-30m in fp32,
+    cache), then one token per step through the KV cache. On the CPU the linear weights are
+    packed for oneDNN first (ladle/models/prepack.py; 1.5-1.8x the tokens/s of plain `F.linear` on bench-30m in fp32,
     equal to it up to rounding); callers that generate many batches with the same weights wrap
     the calls in one `prepacked(model)` to pack once. `prepack=False` keeps `F.linear`.
 

@@ -28,7 +28,9 @@ def _merged(m: LoRALinear) -> torch.Tensor:
 
 
 @torch.no_grad()
-def stream_hf(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype | None = None, untie: bool = False):
+def stream_hf(
+    model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype | None = None, untie: bool = False
+):
     """(HF name, tensor) pairs of a live model's weights in the family's names, one tensor at a time:
     each gathered from its shards (FSDP, TP) only when its turn comes, adapters merged in on the
     fly, experts sliced from their stacked parameter; so a rank never holds more than one whole

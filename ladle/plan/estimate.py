@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ladle.config.schema import LadleConfig, ModelConfig
 from ladle.errors import LadleError
+from ladle.models.llama import count_params
 from ladle.parallel.mesh import Layout
 from ladle.plan import activations as act
 from ladle.plan import memory as mem
@@ -171,8 +172,12 @@ def estimate(cfg: LadleConfig, recipe: str, lay: Layout, target: Target) -> Esti
             per = _role_parts(cfg, role, lay, m, target, mode, ac_mode, every, len(group) > 1)
             merged = per if merged is None else [_merge(a, b) for a, b in zip(merged, per, strict=True)]
         if recipe in ("grpo", "ppo") and group[0].name == "policy":
-            gen = _generation(cfg, recipe, lay, m)
-            merged = [{**d, "generation (KV cache, logits)": gen} for d in merged]
+            section = cfg.grpo if recipe == "grpo" else cfg.ppo
+            if section.engine == "vllm":
+                part = {"vLLM engine (weights, KV cache)": _engine(cfg, section, target, m)}
+            else:
+                part = {"generation (KV cache, logits)": _generation(cfg, recipe, lay, m)}
+            merged = [{**d, **part} for d in merged]
         worst = max(merged, key=lambda d: sum(d.values()))
         if best is None or sum(worst.values()) > sum(best.values()):
             best = worst
@@ -264,6 +269,16 @@ def _generation(cfg: LadleConfig, recipe: str, lay: Layout, m: act.Micro) -> int
     mc = cfg.model
     cache = 2 * rows * length * mc.n_layers // lay.pp * (mc.kv_heads // lay.tp) * mc.head_size * m.compute
     return cache + rows * mc.vocab_size * 4
+
+
+def _engine(cfg: LadleConfig, section, target: Target, m: act.Micro) -> int:
+    """The colocated vLLM engine's share of each device (ladle/rl/vllm.py): its whole copy of
+    the weights in the compute precision plus `kv_cache_memory_bytes` when that is set, else the
+    `gpu_memory_utilization` share of the device it reserves (0.3 by default)."""
+    args = section.engine_args
+    if "kv_cache_memory_bytes" in args:
+        return count_params(cfg.model) * m.compute + int(args["kv_cache_memory_bytes"])
+    return int(float(args.get("gpu_memory_utilization", 0.3)) * target.memory)
 
 
 def _group_bw(lay: Layout, dim: str, target: Target) -> float:
