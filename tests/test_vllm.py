@@ -65,10 +65,10 @@ def policy():
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
 
 
-def local(model, sampling, step=0):
+def local(model, sampling, step=0, end_ids=frozenset({END})):
     from ladle.rl.engine import LocalEngine
 
-    return LocalEngine(model, seed=3, end_ids={END}, decode=None, pad_id=0, batch_size=16).generate(
+    return LocalEngine(model, seed=3, end_ids=set(end_ids), decode=None, pad_id=0, batch_size=16).generate(
         PROMPTS, [0, 1, 2], sampling, step=step
     )
 
@@ -83,7 +83,15 @@ def test_greedy_tokens_equal_ladles_own_generator(policy):
     want = local(model, greedy)
     assert got.response_ids == want.response_ids and got.prompt_index == want.prompt_index
     assert got.finished == want.finished and got.sample_index == [0, 1] * 3
-    assert all(len(x) == 12 or x[-1] == END for x in got.response_ids)
+    # an end token the greedy answers reach: kept in the response, as ladle keeps it, and finished
+    end = {want.response_ids[0][4]}
+    engine.end_ids, kept = end, engine.end_ids
+    got = engine.generate(PROMPTS, [0, 1, 2], greedy, step=0)
+    engine.end_ids = kept
+    want = local(model, greedy, end_ids=end)
+    assert got.response_ids == want.response_ids and got.finished == want.finished
+    assert got.finished[0] and len(got.response_ids[0]) <= 5 and got.response_ids[0][-1] in end
+    assert [len(x) for x in got.sample_logps] == [len(x) for x in got.response_ids]
 
 
 def test_sampled_logprobs_are_the_trainers_and_the_stream_is_keyed(policy):
