@@ -141,7 +141,21 @@ def test_weights_follow_the_policy_and_a_skipped_sync_shows(policy):
     assert gap() < 2e-4
 
 
-# -- the recipes with engine: vllm --------------------------------------------------------------
+def test_more_prompt_tokens_than_one_engine_step_takes(policy):
+    """48 rows of 100-token prompts (4800 prompt tokens, past one scheduler step's budget): the
+    CPU build rewinds a seeded row's generator after a partial prefill and fails, so the engine
+    prefills whole prompts there; the rows still share their prompt's cache."""
+    from ladle.rl.rollout import Sampling
+
+    model, _, engine = policy
+    engine.sync_weights()
+    prompts = [[5 + (k + j) % 90 for j in range(100)] for k in range(3)]
+    r = engine.generate(prompts, [0, 1, 2], Sampling(n=16, temperature=1.0, max_new_tokens=4), step=1)
+    assert len(r) == 48 and all(len(x) == 4 or x[-1] == END for x in r.response_ids)
+
+
+# -- the recipes with engine: vllm (after the tests above: a run's end shuts the module's engine
+# down with the process group) --------------------------------------------------------------------
 def vllm_grpo(chat_tokenizer, prompt_data, out, **grpo) -> dict:
     from test_grpo import grpo_config
 

@@ -152,6 +152,9 @@ class VLLMEngine(RolloutEngine):
             "max_model_len": max_len,
             # colocated with training: a share of the device (on a CPU, of its memory for the KV cache)
             **({"kv_cache_memory_bytes": 2**28} if device.type == "cpu" else {"gpu_memory_utilization": 0.3}),
+            # vLLM's CPU sampler cannot rewind a seeded request's generator after a partial prefill
+            # ("CPU Generator does not use offset"): whole prompts only
+            **({"enable_chunked_prefill": False} if device.type == "cpu" else {}),
             **engine_args,
             "model": self.folder,
             "skip_tokenizer_init": True,
