@@ -1,7 +1,7 @@
 """The vLLM rollout engine (ladle/rl/vllm.py) on vLLM's CPU build, fp32: its tokens and log-probs
 against ladle's own generator and the trainer's forward, and weights that follow the policy. One
-engine start serves the module (about 20 s). Skipped where vLLM is not installed, except in CI,
-which installs it (`make setup-vllm`)."""
+engine start serves the engine tests (seconds); the recipe tests start their own. Skipped where
+vLLM is not installed, except in CI, which installs it (`make setup-vllm`)."""
 
 from __future__ import annotations
 
@@ -31,17 +31,16 @@ def policy():
     assert HAVE_VLLM, "CI installs vLLM's CPU build (make setup-vllm); it is missing"
     dist.init(torch.device("cpu"))
     torch.manual_seed(0)
-    cfg = (
-        ModelConfig(  # tied, as the demos' models (the engine keeps its head apart); the recipe tests' untied
-            vocab_size=96,
-            dim=128,
-            n_layers=2,
-            n_heads=2,
-            n_kv_heads=1,
-            ffn_dim=256,
-            max_seq_len=128,
-            tie_embeddings=True,
-        )
+    # tied, as the demos' models are (the engine keeps its head apart); the recipe tests' are untied
+    cfg = ModelConfig(
+        vocab_size=96,
+        dim=128,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_dim=256,
+        max_seq_len=128,
+        tie_embeddings=True,
     )
     model = build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
