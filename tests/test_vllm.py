@@ -205,7 +205,45 @@ def test_engine_arguments_vllm_does_not_know_are_refused_by_name(
         path.write_text(yaml.safe_dump(cfg))
         assert main(["run", "grpo", "--config", str(path)]) == 2
         assert message in capsys.readouterr().err
+    # a family this vLLM cannot load: named, with the ones it can
+    import vllm
+
+    supported = vllm.ModelRegistry.get_supported_archs()
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(
+        vllm.ModelRegistry, "get_supported_archs", lambda: [a for a in supported if a != "LlamaForCausalLM"]
+    )
+    try:
+        path.write_text(yaml.safe_dump(vllm_grpo(chat_tokenizer, prompt_data, tmp_path / "r")))
+        assert main(["run", "grpo", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "model.family=llama: this vLLM cannot load LlamaForCausalLM" in err and "qwen3" in err
+    finally:
+        monkey.undo()
     assert not (tmp_path / "r").exists()  # refused before anything ran
+
+
+def test_lora_and_ppo_on_the_vllm_engine(chat_tokenizer, prompt_data, tmp_path):
+    """The engine samples from the merged adapters (GRPO with LoRA), and PPO's rollouts come from
+    it too: the trainer's log-probs of the engine's tokens are the engine's, step after step."""
+    from test_ppo import ppo_config
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    lora = vllm_grpo(chat_tokenizer, prompt_data, tmp_path / "lora")
+    lora["lora"] = {"rank": 4, "alpha": 8}
+    lora["optim"]["lr"] = 5e-2  # the adapters move far from the start each step
+    assert load("grpo").run(build_config(lora)) == "completed"
+    ppo = ppo_config(chat_tokenizer, prompt_data, tmp_path / "ppo", engine="vllm")
+    ppo["model"].update(dim=128, n_heads=2, n_kv_heads=1, ffn_dim=128)
+    ppo["train"]["max_steps"] = 3
+    assert load("ppo").run(build_config(ppo)) == "completed"
+    for run in ("lora", "ppo"):
+        recs = [r for r in read_metrics(tmp_path / run) if "loss" in r]
+        assert len(recs) == 3 and all(r["rollout_logprob_diff"] < 1e-3 for r in recs), run
+        assert all(r["weight_sync_s"] > 0 for r in recs[1:]) and recs[-1]["grad_norm"] > 0, run
 
 
 def test_grpo_on_the_vllm_engine_under_fsdp_equals_one_process(chat_tokenizer, prompt_data, tmp_path):
