@@ -47,6 +47,15 @@ class Rollouts:
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def add(self, prompt_index: int, sample_index: int, prompt, response, logps, finished: bool) -> None:
+        """One more row."""
+        self.prompt_index.append(prompt_index)
+        self.sample_index.append(sample_index)
+        self.prompt_ids.append(list(prompt))
+        self.response_ids.append(response)
+        self.sample_logps.append(logps)
+        self.finished.append(finished)
+
     def extend(self, other: Rollouts) -> None:
         for name in self.__dataclass_fields__:
             getattr(self, name).extend(getattr(other, name))
@@ -131,12 +140,7 @@ def rollout(
             if not real:
                 continue
             for (p, i, s), ids, lps, fin in zip(chunk, got.tokens, got.logps, got.finished, strict=True):
-                out.prompt_index.append(i)
-                out.sample_index.append(s)
-                out.prompt_ids.append(list(p))
-                out.response_ids.append(ids)
-                out.sample_logps.append(lps)
-                out.finished.append(fin)
+                out.add(i, s, p, ids, lps, fin)
     finally:
         model.train(model_was_training)
     return out

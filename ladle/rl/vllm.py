@@ -217,12 +217,7 @@ class VLLMEngine(RolloutEngine):
                 cut = next((k for k in range(1, len(ids) + 1) if stop(ids[:k])), None)
                 if cut is not None:
                     ids, lps, finished = ids[:cut], lps[:cut], True
-            out.prompt_index.append(i)
-            out.sample_index.append(s)
-            out.prompt_ids.append(list(p))
-            out.response_ids.append(ids)
-            out.sample_logps.append(lps)
-            out.finished.append(finished)
+            out.add(i, s, p, ids, lps, finished)
         if self.sleeps:  # the training step gets the device back; the weights come again at the sync
             self.llm.sleep(level=2)
             self.asleep, self.stale = True, True
