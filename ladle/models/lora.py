@@ -80,10 +80,18 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        w = base_weight(self, torch.float32) + self.delta_weight().float()
-        if self.use_dora:
-            w = w * (self.lora_magnitude_vector.float() / w.norm(p=2, dim=1))[:, None]
-        return w.to(self.lora_A.weight.dtype)
+        return merged(self)
+
+
+@torch.no_grad()
+def merged(m: LoRALinear, full=lambda t: t) -> torch.Tensor:
+    """`m`'s weight with its adapter folded in (what merging writes). `full` gathers each part
+    first: `full_tensor` for a whole copy of a sharded layer (an inference engine's)."""
+    w = base_weight(m, torch.float32) if hasattr(m, "weight_nf4") else full(m.weight).float()
+    w = w + ((full(m.lora_B.weight) @ full(m.lora_A.weight)) * m.scaling).float()
+    if m.use_dora:
+        w = w * (full(m.lora_magnitude_vector).float() / w.norm(p=2, dim=1))[:, None]
+    return w.to(m.lora_A.weight.dtype)
 
 
 def add_adapter(m: nn.Linear, r: int, alpha: float, dropout: float, rslora: bool, dora: bool) -> None:
@@ -194,11 +202,12 @@ def init_adapters(root: nn.Module, seed: int = 0, prefix: str = "") -> None:
         _copy(m.lora_A.weight, a)
         _copy(m.lora_B.weight, torch.zeros(m.lora_B.weight.shape))
         if m.use_dora:
-            w = base_weight(m, torch.float32) if hasattr(m, "weight_nf4") else _full(m.weight).float()
+            w = base_weight(m, torch.float32) if hasattr(m, "weight_nf4") else full_tensor(m.weight).float()
             _copy(m.lora_magnitude_vector, w.norm(p=2, dim=1))
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective over its mesh); a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -224,12 +233,12 @@ def merge_lora(model: nn.Module) -> nn.Module:
             del m.weight_nf4
             m.__class__ = nn.Linear
         elif isinstance(m, LoRALinear):
-            merged = m.merged_weight()
+            w = m.merged_weight()
             if hasattr(m, "weight_nf4"):
-                m.weight = nn.Parameter(merged, requires_grad=False)
+                m.weight = nn.Parameter(w, requires_grad=False)
                 del m.weight_nf4
             else:
-                m.weight.copy_(merged)
+                m.weight.copy_(w)
             for attr in ("lora_A", "lora_B", "lora_dropout", "lora_magnitude_vector"):
                 if hasattr(m, attr):
                     delattr(m, attr)
@@ -246,7 +255,7 @@ def peft_state_dict(model: nn.Module, cfg) -> dict[str, torch.Tensor]:
     from ladle.models.hf import to_hf_name
 
     out = {
-        PEFT_PREFIX + to_hf_name(n): _full(p.detach()).cpu().contiguous()
+        PEFT_PREFIX + to_hf_name(n): full_tensor(p.detach()).cpu().contiguous()
         for n, p in model.named_parameters()
         if ".lora_" in n
     }
@@ -254,7 +263,7 @@ def peft_state_dict(model: nn.Module, cfg) -> dict[str, torch.Tensor]:
     for name in peft_saved(cfg, tied):
         w = model.embed_tokens.weight if tied else getattr(model, name).weight
         # a copy of its own: safetensors refuses two keys on one storage (the tied case)
-        out[PEFT_PREFIX + to_hf_name(f"{name}.weight")] = _full(w.detach()).cpu().clone()
+        out[PEFT_PREFIX + to_hf_name(f"{name}.weight")] = full_tensor(w.detach()).cpu().clone()
     return out
 
 

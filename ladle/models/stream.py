@@ -8,23 +8,8 @@ import torch
 
 from ladle.config.schema import ModelConfig
 from ladle.models.hf.names import FUSED, hf_layout
-from ladle.models.lora import LoRALinear
+from ladle.models.lora import LoRALinear, full_tensor, merged
 from ladle.models.nf4 import base_weight
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _merged(m: LoRALinear) -> torch.Tensor:
-    """A LoRA/DoRA layer's weight with its adapter folded in, each part gathered whole."""
-    w = base_weight(m, torch.float32) if hasattr(m, "weight_nf4") else _full(m.weight).float()
-    w = w + (_full(m.lora_B.weight).float() @ _full(m.lora_A.weight).float()) * m.scaling
-    if m.use_dora:
-        w = w * (_full(m.lora_magnitude_vector).float() / w.norm(p=2, dim=1))[:, None]
-    return w.to(m.lora_A.weight.dtype)
 
 
 @torch.no_grad()
@@ -48,11 +33,11 @@ def stream_hf(
         module, _, leaf = ours.rpartition(".")
         m = modules.get(module)
         if isinstance(m, LoRALinear) and leaf == "weight":
-            full = _merged(m)
+            full = merged(m, full_tensor)
         elif leaf == "weight" and hasattr(m, "weight_nf4"):  # QLoRA's quantized layer without adapter
             full = base_weight(m)
         else:
-            full = _full(tensors[ours])
+            full = full_tensor(tensors[ours])
         if dtype is not None:
             full = full.to(dtype)
         for hf, expert in names:
