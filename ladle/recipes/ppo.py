@@ -89,7 +89,7 @@ class PPO(RLRecipe):
             critic_cfg = roles.critic_config(cfg)
             built = build_laid_out(critic_cfg, s.par, s.device, load=s.resume.path is None)
             critic = TrainUnit(critic_cfg, built.model, s.device, s.par)
-            describe_critic(s, built.notes, critic.model)
+            start_critic(s, built.notes, critic.model)
             trainer = functools.partial(
                 TwoUnitTrainer, critic=critic, critic_loss=critic_loss(s), warmup=p.critic_warmup
             )
@@ -149,7 +149,7 @@ class PPO(RLRecipe):
         """The critic's group of a separated placement: its unit (built from `unit_config`), the
         reward model beside it, and the partner's rollouts as its batches."""
         p = s.cfg.ppo
-        describe_critic(s, [], s.unit.model)
+        start_critic(s, [], s.unit.model)
         models = {"critic": s.unit.model, "reward": roles.reward_model(s.cfg, s.par, s.device, s.run.events)}
 
         def wrap(loader, evaluate):
@@ -179,8 +179,9 @@ def critic_loss(s: Setup) -> ValueLoss:
     return loss
 
 
-def describe_critic(s: Setup, notes: list[str], model) -> None:
-    """The critic's start, its value head zeroed (`ppo.value_head: zero`), in the run's events."""
+def start_critic(s: Setup, notes: list[str], model) -> None:
+    """The critic's start: its value head zeroed (`ppo.value_head: zero`), and the run's event
+    that says where it starts from."""
     cfg, p = s.cfg, s.cfg.ppo
     start = p.critic_init or cfg.rewards.model or cfg.model.init_from or "the policy initialisation"
     if p.value_head == "zero":

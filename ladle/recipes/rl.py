@@ -81,9 +81,9 @@ def rollout_loader(
     s: Setup, inner, section, rewards: tuple, *, reference=None, reward_model=None, **kw
 ) -> RolloutLoader:
     """The loop's loader of rollout batches made from `inner`'s prompts: the policy generates in
-    this process (`LocalEngine`, or vLLM's engine fed its weights: `VLLMEngine`), the rule `rewards` (`roles.load_rewards`: the terms and the
-    prompts' records) and `reward_model` score, `reference` gives the KL's log-probs; `kw`:
-    RolloutLoader's (advantages, reuse, ...)."""
+    this process (`LocalEngine`, or vLLM's engine fed its weights: `VLLMEngine`), the rule
+    `rewards` (`roles.load_rewards`: the terms and the prompts' records) and `reward_model` score,
+    `reference` gives the KL's log-probs; `kw`: RolloutLoader's (advantages, reuse, ...)."""
     tok = s.found["tokenizer"]
     rewards, records = rewards
     parking = Parking(s.device, enabled=section.offload_idle)

@@ -197,12 +197,12 @@ def rollout_correction(
     if cap <= 1:
         raise ValueError(f"rollout_correction_cap must be above 1, got {cap}")
     m = mask.to(torch.float32)
+    if mode == "none":
+        return m, torch.zeros_like(mask, dtype=torch.bool)
     log_rho = (logps.detach().float() - sample_logps.float()) * m
     if level == "sequence":
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
     rho = torch.exp(log_rho.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    if mode == "none":
-        return m, torch.zeros_like(mask, dtype=torch.bool)
     if mode == "tis":
         hit = rho > cap
         weights = rho.clamp(max=cap)

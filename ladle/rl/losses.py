@@ -80,11 +80,8 @@ class PolicyLoss(Loss):
         self.loss_agg, self.max_len = loss_agg, max_len
         self.kl_coef, self.kl_estimator, self.temperature = kl_coef, kl_estimator, temperature
         self.dual_clip, self.entropy_coef = dual_clip, entropy_coef
-        self.correction, self.correction_level, self.correction_cap = (
-            correction,
-            correction_level,
-            correction_cap,
-        )
+        self.correction, self.correction_level = correction, correction_level
+        self.correction_cap = correction_cap
 
     def count(self, batch: dict):
         mask = batch["targets"] != IGNORE_INDEX
@@ -123,10 +120,11 @@ class PolicyLoss(Loss):
                 diff = (
                     ((old - batch["sample_logps"]).abs() * mask).amax() if mask.any() else old.new_zeros(())
                 )
+        sampled = batch.get("sample_logps")  # the sampler's, against the trainer's at sampling time
         weights = hit = None
-        if "sample_logps" in batch:  # the trainer's log-probs at sampling time against the sampler's
+        if sampled is not None and self.correction != "none":
             weights, hit = rollout_correction(
-                old, batch["sample_logps"], mask, self.correction, self.correction_level, self.correction_cap
+                old, sampled, mask, self.correction, self.correction_level, self.correction_cap
             )
         loss, per_token = policy_loss(
             logps,
@@ -140,7 +138,7 @@ class PolicyLoss(Loss):
             ref_logps=batch.get("ref_logps"),
             kl_estimator=self.kl_estimator,
             dual_clip=self.dual_clip,
-            weights=weights if self.correction != "none" else None,
+            weights=weights,
         )
         # the entropy of the response positions only (not a (B, T, V) pass over the prompts)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
@@ -160,11 +158,11 @@ class PolicyLoss(Loss):
         }
         if "kl" in per_token:
             metrics["kl"] = (per_token["kl"] * m).sum()
+        if sampled is not None:
+            metrics["rollout_kl"] = (sampler_kl(old, sampled) * m).sum()
         if weights is not None:
-            metrics["rollout_kl"] = (sampler_kl(old, batch["sample_logps"]) * m).sum()
-            if self.correction != "none":
-                metrics["rollout_is_weight_mean"] = (weights * m).sum()
-                metrics["rollout_is_clipped_frac"] = (hit.float() * m).sum()
+            metrics["rollout_is_weight_mean"] = (weights * m).sum()
+            metrics["rollout_is_clipped_frac"] = (hit.float() * m).sum()
         if diff is not None:
             metrics["rollout_logprob_diff_max"] = diff
         return LossOut(total, count, metrics)

@@ -31,6 +31,7 @@ training step has the device to itself.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import shutil
@@ -85,8 +86,8 @@ def check(section, model: ModelConfig, name: str) -> None:
     known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     for key, value in section.engine_args.items():
         if key not in known:
-            close = sorted(k for k in known if key.split("_")[0] in k)[:6]
-            hint = f" (did you mean one of {', '.join(close)}?)" if close else ""
+            close = difflib.get_close_matches(key, known, n=3)  # as the config loader's hints
+            hint = f" (did you mean {' or '.join(repr(k) for k in close)}?)" if close else ""
             raise ConfigError(f"{name}.engine_args.{key}: vLLM has no engine argument {key!r}{hint}")
         if key in FIXED:
             raise ConfigError(
