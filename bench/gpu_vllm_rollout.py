@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -46,13 +45,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
+    a.warmup, a.precision, a.micro_tokens = 1, "bf16-mixed", 8192  # as bench/grpo_throughput.py reads them
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench30m import bench_config
-    from grpo_throughput import LR, prepare
-
-    from ladle.config.load import build_config
-    from ladle.recipes import load
-    from ladle.train.metrics import read_metrics
+    from grpo_throughput import ladle_run, prepare, trl_run
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_vllm_rollout: no CUDA device")
@@ -63,32 +58,12 @@ def main() -> None:
         work = Path(tmp)
         tok, data, rendered = prepare(work, 64)
         for engine in engines:
-            cfg = bench_config(
-                LLAMA_1B, tok, data, seq_len=320 + a.new_tokens, steps=1 + a.steps,
-                micro_batch=a.prompts, precision="bf16-mixed", lr=LR,
-            )  # fmt: skip
-            cfg.update(output_dir=str(work / engine), seed=0)
-            cfg["grpo"] = {
-                "num_samples": a.samples,
-                "max_response_len": a.new_tokens,
-                "engine": engine,
-                "rollout_batch": a.prompts * a.samples,
-                "micro_tokens": 8192,
-            }
-            cfg["rewards"] = {"file": str(work / "rewards.py"), "terms": [{"name": "has_def"}]}
             torch.cuda.reset_peak_memory_stats()
-            load("grpo").run(build_config(cfg))
-            recs = [r for r in read_metrics(work / engine) if "step_s" in r][1:]
-            out[engine] = {
-                "step_s": statistics.median(r["step_s"] for r in recs),
-                "generation_share": statistics.median(r["gen_s"] / r["step_s"] for r in recs),
-                "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in recs),
-                "weight_sync_s": statistics.median(r.get("weight_sync_s", 0.0) for r in recs),
-                "rollout_logprob_diff": max(r.get("rollout_logprob_diff", 0.0) for r in recs),
-                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            }
+            out[engine] = ladle_run(tok, data, work, work / engine, a, 320, engine, model=LLAMA_1B)
+            out[engine]["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if have_vllm and importlib.util.find_spec("trl") is not None:
-            out["trl_vllm_colocate_step_s"] = trl_vllm(tok, rendered, work / "trl", a)
+            config = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3}
+            out["trl_vllm_colocate_step_s"] = trl_run(tok, rendered, work / "trl", a, hf_llama_1b(), **config)
     for engine in engines:
         if "trl_vllm_colocate_step_s" in out:
             out[engine]["speedup_over_trl_vllm"] = round(
@@ -97,16 +72,12 @@ def main() -> None:
     print(json.dumps(out))
 
 
-def trl_vllm(tok, rendered: list[str], out: Path, a) -> float:
-    import datasets
+def hf_llama_1b():
+    """LLAMA_1B as a transformers model (random weights)."""
     import transformers
-    import trl
-    from dpo_throughput import tokenizer
-    from grpo_throughput import has_def
-    from train_throughput import hf_args, step_timer
 
     m = LLAMA_1B
-    model = transformers.LlamaForCausalLM(
+    return transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
             vocab_size=m["vocab_size"], hidden_size=m["dim"], num_hidden_layers=m["n_layers"],
             num_attention_heads=m["n_heads"], num_key_value_heads=m["n_kv_heads"],
@@ -114,27 +85,6 @@ def trl_vllm(tok, rendered: list[str], out: Path, a) -> float:
             tie_word_embeddings=m["tie_embeddings"],
         )
     )  # fmt: skip
-    times: list[float] = []
-    args = trl.GRPOConfig(
-        **hf_args(out, steps=1 + a.steps, batch=a.prompts * a.samples, lr=1e-6, bf16=True),
-        num_generations=a.samples,
-        max_completion_length=a.new_tokens,
-        temperature=1.0,
-        beta=0.0,
-        loss_type="bnpo",
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.3,
-    )
-    trl.GRPOTrainer(
-        model=model,
-        reward_funcs=has_def,
-        args=args,
-        train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in rendered]),
-        processing_class=tokenizer(tok),
-        callbacks=[step_timer(times)],
-    ).train()
-    return statistics.median(times[1:])
 
 
 if __name__ == "__main__":

@@ -81,13 +81,15 @@ def prepare(work: Path, n: int) -> tuple[Path, Path, list[str]]:
     return Path(tok), data, rendered
 
 
-def ladle_run(tok, data, work: Path, out: Path, a, prompt_len: int, engine: str = "ladle") -> dict:
+def ladle_run(
+    tok, data, work: Path, out: Path, a, prompt_len: int, engine: str = "ladle", model: dict = BENCH_30M
+) -> dict:
     from ladle.config.load import build_config
     from ladle.recipes import load
     from ladle.train.metrics import read_metrics
 
     cfg = bench_config(
-        BENCH_30M,
+        model,
         tok,
         data,
         seq_len=prompt_len + a.new_tokens,
@@ -117,10 +119,13 @@ def ladle_run(tok, data, work: Path, out: Path, a, prompt_len: int, engine: str 
         "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in recs),
         "response_len": statistics.median(r["response_len_mean"] for r in recs),
         "weight_sync_s": statistics.median(r.get("weight_sync_s", 0.0) for r in recs),
+        "rollout_logprob_diff": max(r.get("rollout_logprob_diff", 0.0) for r in recs),
     }
 
 
-def trl_run(tok, rendered: list[str], out: Path, a) -> float:
+def trl_run(tok, rendered: list[str], out: Path, a, model=None, **config) -> float:
+    """trl's step on the same work: bench-30m unless `model` (a transformers model) is given;
+    `config`: more GRPOConfig keys (vLLM colocate on a GPU)."""
     import datasets
     import trl
     from dpo_throughput import tokenizer
@@ -141,9 +146,10 @@ def trl_run(tok, rendered: list[str], out: Path, a) -> float:
         num_iterations=1,
         gradient_checkpointing=False,
         disable_dropout=True,
+        **config,
     )
     trl.GRPOTrainer(
-        model=hf_bench30m(),
+        model=model if model is not None else hf_bench30m(),
         reward_funcs=has_def,
         args=args,
         train_dataset=datasets.Dataset.from_list([{"prompt": p} for p in rendered]),
