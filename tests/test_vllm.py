@@ -221,6 +221,14 @@ def test_engine_arguments_vllm_does_not_know_are_refused_by_name(
     finally:
         monkey.undo()
     assert not (tmp_path / "r").exists()  # refused before anything ran
+    # a value vLLM's own config refuses: found as the engine starts, named by the key
+    path.write_text(
+        yaml.safe_dump(
+            vllm_grpo(chat_tokenizer, prompt_data, tmp_path / "v", engine_args={"max_num_seqs": "many"})
+        )
+    )
+    assert main(["run", "grpo", "--config", str(path)]) == 2
+    assert "grpo.engine_args: vLLM cannot start with {'max_num_seqs': 'many'}" in capsys.readouterr().err
 
 
 def test_lora_and_ppo_on_the_vllm_engine(chat_tokenizer, prompt_data, tmp_path):

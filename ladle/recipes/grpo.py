@@ -54,7 +54,7 @@ class GRPO(RLRecipe):
         def wrap(loader, evaluate):  # validation: the rewards on held-out prompts (RolloutLoader.validate)
             advantages = functools.partial(group_advantages, section=g, group=s.par.data_group)
             rollouts = rollout_loader(
-                s, loader, g, rewards, reference=reference, reward_model=reward_model,
+                s, loader, g, rewards, name=self.section, reference=reference, reward_model=reward_model,
                 advantages=advantages, reuse=g.num_iterations,
             )  # fmt: skip
             return rollouts, evaluate

@@ -125,6 +125,7 @@ class PPO(RLRecipe):
                 loader,
                 p,
                 rewards,
+                name=self.section,
                 reference=reference,
                 reward_model=reward_model,
                 advantages=functools.partial(

@@ -78,12 +78,13 @@ def every_batch(cfg: LadleConfig, steps: int, name: str) -> None:
 
 
 def rollout_loader(
-    s: Setup, inner, section, rewards: tuple, *, reference=None, reward_model=None, **kw
+    s: Setup, inner, section, rewards: tuple, *, name: str, reference=None, reward_model=None, **kw
 ) -> RolloutLoader:
     """The loop's loader of rollout batches made from `inner`'s prompts: the policy generates in
     this process (`LocalEngine`, or vLLM's engine fed its weights: `VLLMEngine`), the rule
     `rewards` (`roles.load_rewards`: the terms and the prompts' records) and `reward_model` score,
-    `reference` gives the KL's log-probs; `kw`: RolloutLoader's (advantages, reuse, ...)."""
+    `reference` gives the KL's log-probs; `name`: the section's (`grpo`, `ppo`); `kw`:
+    RolloutLoader's (advantages, reuse, ...)."""
     tok = s.found["tokenizer"]
     rewards, records = rewards
     parking = Parking(s.device, enabled=section.offload_idle)
@@ -102,6 +103,7 @@ def rollout_loader(
             max_len=s.cfg.data.seq_len,
             engine_args=section.engine_args,
             device=s.device,
+            where=f"{name}.engine_args",
         )
     else:
         engine = LocalEngine(

@@ -112,7 +112,8 @@ def check(section, model: ModelConfig, name: str) -> None:
 class VLLMEngine(RolloutEngine):
     """vLLM inside this training process, fed the policy's weights (see the module docstring).
     `model`: the policy as it trains (laid out); `optimizer`: its optimizer, whose steps mark the
-    engine's copy stale; `max_len`: prompt + response tokens at most."""
+    engine's copy stale; `max_len`: prompt + response tokens at most; `where`: the config key of
+    `engine_args`, for the message when vLLM refuses a value."""
 
     copies_weights = True
 
@@ -129,6 +130,7 @@ class VLLMEngine(RolloutEngine):
         max_len: int,
         engine_args: dict,
         device: torch.device,
+        where: str = "engine_args",
     ):
         vllm = import_vllm("engine")
         self.model, self.model_cfg, self.dtype = model, model_cfg, dtype
@@ -166,7 +168,10 @@ class VLLMEngine(RolloutEngine):
             "logprobs_mode": "processed_logprobs",  # of softmax(logits / T), as the trainer's
         }
         self.sleeps = bool(args.get("enable_sleep_mode"))
-        self.llm = vllm.LLM(**args)
+        try:
+            self.llm = vllm.LLM(**args)
+        except (TypeError, ValueError) as e:  # a value vLLM's config refuses (the keys were checked)
+            raise ConfigError(f"{where}: vLLM cannot start with {engine_args}: {e}") from None
         # vLLM tears down the process group it joined when its engine shuts down: at the run's end
         dist.before_shutdown(self.shutdown)
         self.stale, self.asleep = True, False
