@@ -335,8 +335,8 @@ def test_ppo_resume_equals_an_uninterrupted_run(chat_tokenizer, prompt_data, tmp
     from ladle.recipes import load
     from ladle.train.metrics import read_metrics
 
-    def run(out, **train):
-        cfg = ppo_config(chat_tokenizer, prompt_data, out, minibatches=2)
+    def run(out, ppo=None, **train):
+        cfg = ppo_config(chat_tokenizer, prompt_data, out, minibatches=2, **(ppo or {}))
         cfg["train"].update({"grad_accum_steps": 2, **train})
         cfg["checkpoint"] = {"every": 2, "keep_last": 2}
         return load("ppo").run(build_config(cfg))
@@ -350,6 +350,11 @@ def test_ppo_resume_equals_an_uninterrupted_run(chat_tokenizer, prompt_data, tmp
     for a, b in zip(whole[2:], cut, strict=True):  # the critic and its optimizer came back too
         for key in ("loss", "grad_norm", "value_loss", "critic_grad_norm", "kl", "reward_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)
+    # resumed with the reward normalisation turned off (the saved moments left aside), then on
+    # again from a checkpoint that has none (fresh moments)
+    off = {"normalize_rewards": False}
+    assert run(tmp_path / "cut", ppo=off, resume="auto", max_steps=6) == "completed"
+    assert run(tmp_path / "cut", resume="auto", max_steps=8) == "completed"
 
 
 def test_ppo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, reward_folder, tmp_path, capsys):

@@ -131,7 +131,8 @@ class RolloutLoader:
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         for k, v in state.pop("rl", {}).items():
-            self.keeps[k].load_state_dict(v)
+            if k in self.keeps:  # a run resumed without what was kept (normalize_rewards turned off)
+                self.keeps[k].load_state_dict(v)
         self.inner.load_state_dict(state)
         self.cached, self.uses = None, 0
         self.engine.mark_stale()  # a resume or rollback loads the policy's weights as well
