@@ -4,9 +4,11 @@ import sys
 from ladle import cli
 from ladle.cli import run
 
-code = cli.main()
-if run.launched:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
-raise SystemExit(code)
+# guarded: a child process started by spawn (vLLM's engine process) imports this module again
+if __name__ == "__main__":
+    code = cli.main()
+    if run.launched:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+    raise SystemExit(code)

@@ -523,6 +523,7 @@ def test_generation_is_timed_as_gen_s_never_as_data_s():
     # batch's later uses (num_iterations) neither read nor generate
     import time
 
+    from ladle.rl.engine import RolloutEngine
     from ladle.rl.loader import RolloutLoader
     from ladle.rl.roles import Parking
 
@@ -541,6 +542,7 @@ def test_generation_is_timed_as_gen_s_never_as_data_s():
     loader = object.__new__(RolloutLoader)
     loader.inner, loader.reuse, loader.minibatches, loader.cached, loader.uses = inner, 2, 1, None, 0
     loader.parking, loader.trained, loader.make = Parking(torch.device("cpu")), (), make
+    loader.engine = RolloutEngine()  # generates nothing ahead
     assert loader.next() == [{"tokens": None}]
     assert loader.data_s == 0.01 and loader.gen_s >= 0.05
     assert loader.next() == [{"tokens": None}]

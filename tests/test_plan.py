@@ -23,6 +23,7 @@ from ladle.parallel.mesh import Layout
 from ladle.plan import Target, estimate, layouts, plan
 from ladle.plan import activations as act
 from ladle.plan import memory as mem
+from ladle.plan.estimate import roles
 from ladle.plan.measure import SavedTensors, state_bytes
 from ladle.train.loss import cross_entropy_sum
 from ladle.train.optim import build_optimizer
@@ -320,6 +321,26 @@ def test_rl_recipes_hold_their_extra_models():
     assert (
         sep.parts.get("policy: parameters") and "critic: parameters" not in sep.parts or sep.total < ppo.total
     )
+    # GRPO's separated engine: a group that trains (no KV cache) and one that holds a forward-only
+    # copy and generates (no gradients, no optimizer state)
+    grpo = base.model_copy(update={"grpo": base.grpo.model_copy(update={"placement": "separated"})})
+    both = roles(grpo, "grpo")
+    assert [[r.name for r in g] for g in both] == [["policy"], ["engine"]] and not both[1][0].trained
+    sep = estimate(grpo, "grpo", Layout(dp_shard=4, roles=2), t)
+    # the fuller group is the trainer's: one model (unnamed parts), no KV cache
+    assert sep.parts["optimizer state"] > 0 and "generation (KV cache, logits)" not in sep.parts
+    shared = estimate(base, "grpo", Layout(dp_shard=4), t)
+    assert sep.total < shared.total  # the trainer's ranks hold no KV cache
+    # with vLLM the engine ranks hold vLLM's share of the device and no copy of ladle's
+    on_vllm = grpo.model_copy(update={"grpo": grpo.grpo.model_copy(update={"engine": "vllm"})})
+    assert roles(on_vllm, "grpo")[1] == []
+    est = estimate(on_vllm, "grpo", Layout(dp_shard=4, roles=2), t)  # its 0.3 of 80 GiB: the fuller group
+    assert set(est.parts) == {
+        "vLLM engine (weights, KV cache)",
+        "runtime (context, collective buffers)",
+        "fragmentation margin",
+    }
+    assert est.parts["vLLM engine (weights, KV cache)"] == int(0.3 * 80 * GiB)
 
 
 # -- the command line ------------------------------------------------------------------------

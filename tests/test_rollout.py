@@ -128,6 +128,45 @@ def test_balance_spreads_costs():
     assert balance([5], 3) == [[0], [], []] and imbalance([0, 0]) == 1.0
 
 
+def test_balance_keeps_the_rows_a_rank_holds_and_prompts_are_dealt_by_expected_work(monkeypatch):
+    # per_rank: the costliest first, each to the least loaded rank with room (by hand below)
+    # 10 -> rank 0, then the 1s to rank 1 until it holds 2 rows; unbounded, rank 1 takes all three
+    assert balance([10, 1, 1, 1], 2, per_rank=2) == [[0, 3], [1, 2]]
+    assert balance([10, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    # Dealt: rank 0 read prompts of 6 and 5 tokens, rank 1 of 2 and 1; with 2 samples and 3
+    # expected response tokens each costs 2 x (len + 3): 18, 16, 10, 8 -> rank 0 takes 18 and 8,
+    # rank 1 16 and 10, each in one microbatch of 2 as it read them
+    from types import SimpleNamespace
+
+    from ladle.rl import loader as L
+
+    def micro(lens, first):
+        prompt = torch.zeros(len(lens), 8, dtype=torch.long)
+        for i, n in enumerate(lens):
+            prompt[i, 8 - n :] = first + i + 1
+        return [
+            {
+                "prompt": prompt,
+                "prompt_len": torch.tensor(lens),
+                "index": torch.arange(first, first + len(lens)),
+            }
+        ]
+
+    reads = {0: micro([6, 5], 0), 1: micro([2, 1], 2)}
+    monkeypatch.setattr(L.dist, "all_gather_objects", lambda obj, group=None: [
+        [{k: v[i] for k, v in reads[r][0].items()} for i in range(2)] for r in (0, 1)
+    ])  # fmt: skip
+    monkeypatch.setattr(L.dist, "world_size", lambda group=None: 2)
+    for rank, want in ((0, [0, 3]), (1, [1, 2])):
+        monkeypatch.setattr(L.dist, "rank", lambda group=None, r=rank: r)
+        inner = SimpleNamespace(next=lambda r=rank: reads[r], consumed_samples=0, data_s=0.25)
+        got = L.Dealt(inner, group=None, samples=2, expected=lambda: 3.0).next()
+        assert len(got) == 1 and got[0]["index"].tolist() == want
+        assert got[0]["prompt_len"].tolist() == [[6, 5, 2, 1][i] for i in want]
+        assert got[0]["prompt"][:, -1].tolist() == [i + 1 for i in want]  # each row whole
+        assert L.Dealt(inner, group=None, samples=2, expected=lambda: 3.0).data_s == 0.25
+
+
 def test_fsdp_rollouts_equal_one_process():
     script = Path(__file__).parent / "dist_rollout.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]

@@ -266,3 +266,48 @@ def test_grpo_on_the_vllm_engine_under_fsdp_equals_one_process(chat_tokenizer, p
         assert b["rollout_logprob_diff"] < 1e-3 and b["weight_sync_s"] > 0
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
+
+
+def test_grpo_on_separated_vllm_engine_ranks_equals_colocated_and_trains_asynchronously(
+    chat_tokenizer, prompt_data, tmp_path
+):
+    """grpo.placement: separated with vLLM: the engine rank's vLLM runs in a process of its own
+    and its worker takes the policy's weights from the trainer rank over a private group, in HF
+    names. In step it samples what the colocated engine samples (same weights, same keyed
+    requests); with max_staleness 1 it generates the next batch from weights one update old."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    cfg = vllm_grpo(chat_tokenizer, prompt_data, tmp_path / "colocated", rollout_correction="tis")
+    cfg["optim"]["lr"] = 3e-3
+    assert load("grpo").run(build_config(cfg)) == "completed"
+    colocated = [r for r in read_metrics(tmp_path / "colocated") if "loss" in r]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+
+    def separated(out, *over):
+        cmd = [sys.executable, "-m", "ladle", "run", "grpo", "--config", str(path), "--nproc", "2"]
+        r = subprocess.run(
+            [*cmd, f"output_dir={tmp_path / out}", "grpo.placement=separated", *over],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return [r for r in read_metrics(tmp_path / out) if "loss" in r]
+
+    sync = separated("sync")
+    assert len(sync) == len(colocated) == 3
+    for a, b in zip(colocated, sync, strict=True):
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6), a["step"]
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4) and b["rollout_kl"] < 1e-6
+        assert b["weight_sync_s"] > 0 and b["staleness_max"] == 0
+    stale = separated("async", "grpo.max_staleness=1")
+    assert [r["staleness_max"] for r in stale] == [0, 1, 1]
+    assert stale[1]["rollout_kl"] > 1e-6  # sampled from the weights before the last update

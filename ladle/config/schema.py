@@ -638,7 +638,7 @@ class RolloutConfig(Section):
     rollout_batch: int = Field(64, ge=1, description="rows per generation batch (ladle's engine)")
     engine: Literal["ladle", "vllm"] = Field(
         "ladle",
-        description="what generates the rollouts: `ladle` (the training model itself, as laid out) or `vllm` (vLLM in each training process, the policy's weights streamed to it after every update; the extra `ladle[vllm]`); docs/rl.md",
+        description="what generates the rollouts: `ladle` (the training model itself, as laid out) or `vllm` (vLLM in each training process, or on the engine ranks of GRPO's `placement: separated`, the policy's weights streamed to it after every update; the extra `ladle[vllm]`); docs/rl.md",
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -646,7 +646,7 @@ class RolloutConfig(Section):
     )
     balance: bool = Field(
         True,
-        description="with several data-parallel ranks: after generation, whole groups move between ranks so each trains on about as many tokens (logged: `train_imbalance`)",
+        description="with several data-parallel ranks: before generation, each step's prompts are dealt out over the ranks by their expected tokens; after it, whole groups move between ranks so each trains on about as many tokens (logged: `rollout_imbalance`, `train_imbalance`)",
     )
     micro_tokens: int = Field(
         0,
@@ -724,6 +724,15 @@ class GRPOConfig(RolloutConfig):
         False,
         description="DAPO's overlong filtering: responses cut by `max_response_len` stay out of the loss",
     )
+    placement: Literal["shared", "separated"] = Field(
+        "shared",
+        description="`shared`: the policy generates where it trains; `separated`: half the ranks hold a copy of the policy that only generates (the engine), laid out by `parallel.*` like the trainer's half, its weights sent rank to rank after each update (docs/rl.md)",
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="asynchronous training (`placement: separated`): the engine generates the batches of the next steps while the trainer trains, from weights at most this many updates older than those they are trained with (logged: `staleness_mean`, `staleness_max`); 0: the synchronous loop",
+    )
 
     @model_validator(mode="after")
     def _groups(self):
@@ -737,6 +746,17 @@ class GRPOConfig(RolloutConfig):
             raise ValueError(
                 "grpo.dynamic_sampling keeps groups whose rewards differ: grpo.num_samples=1 has none; "
                 "sample at least 2 per prompt"
+            )
+        if self.max_staleness and self.placement != "separated":
+            raise ValueError(
+                f"grpo.max_staleness={self.max_staleness} generates while the trainer trains, which needs "
+                "engine ranks of their own: set grpo.placement: separated (or max_staleness: 0)"
+            )
+        if self.placement == "separated" and self.dynamic_sampling:
+            raise ValueError(
+                "grpo.dynamic_sampling with grpo.placement=separated: DAPO's refill samples more prompts "
+                "while the step is made, and the separated engine generates whole batches ahead; use "
+                "grpo.placement: shared for dynamic sampling"
             )
         return self
 

@@ -89,6 +89,9 @@ def roles(cfg: LadleConfig, recipe: str) -> list[list[Role]]:
         group = [policy] + ([frozen] if cfg.grpo.kl_coef > 0 and not lora_only else [])
         if cfg.rewards.model:
             group.append(Role("reward model", _scorer(cfg, cfg.rewards.model), False))
+        if cfg.grpo.placement == "separated":  # the engine's group: a copy of the policy, forward only
+            copy = [] if cfg.grpo.engine == "vllm" else [Role("engine", cfg.model, False, cfg.lora)]
+            return [group, copy]  # (vLLM's copy is the engine's part below)
         return [group]
     if recipe == "ppo":
         p = cfg.ppo
@@ -171,7 +174,11 @@ def estimate(cfg: LadleConfig, recipe: str, lay: Layout, target: Target) -> Esti
         for role in group:
             per = _role_parts(cfg, role, lay, m, target, mode, ac_mode, every, len(group) > 1)
             merged = per if merged is None else [_merge(a, b) for a, b in zip(merged, per, strict=True)]
-        if recipe in ("grpo", "ppo") and group[0].name == "policy":
+        merged = merged or [{}]  # a separated vLLM engine rank: vLLM's copy alone
+        name = group[0].name if group else "engine"
+        # the group that generates: the policy's, or a separated placement's engine ranks
+        generates = "engine" if recipe == "grpo" and cfg.grpo.placement == "separated" else "policy"
+        if recipe in ("grpo", "ppo") and name == generates:
             section = cfg.grpo if recipe == "grpo" else cfg.ppo
             if section.engine == "vllm":
                 part = {"vLLM engine (weights, KV cache)": _engine(cfg, section, target, m)}

@@ -98,6 +98,10 @@ class Recipe:
         """The config of the model this rank trains (a separated placement's other group: the critic)."""
         return cfg
 
+    def builds_model(self, cfg: LadleConfig, par: Parallel) -> bool:
+        """Whether this rank holds a model of ladle's (not a separated vLLM engine rank: vLLM's)."""
+        return True
+
     def run(self, cfg: LadleConfig, loss: Loss | None = None) -> str:
         """Trains (with `loss`, another objective on the same rows) and writes the run card;
         returns the loop's status."""
@@ -118,15 +122,19 @@ def build_trainer(
     run = RunDir(cfg, device, recipe=recipe.name, resume=resume)
     # the policy, or what this rank's group trains in a separated placement (PPO's critic)
     unit_cfg = recipe.unit_config(cfg, par)
-    built = build_laid_out(unit_cfg, par, device, load=resume.path is None)
-    for note in built.notes:
-        run.events(note)
-    if built.source:
-        run.events(f"weights from {built.source}")
+    if recipe.builds_model(cfg, par):
+        built = build_laid_out(unit_cfg, par, device, load=resume.path is None)
+        for note in built.notes:
+            run.events(note)
+        if built.source:
+            run.events(f"weights from {built.source}")
+        model, pipeline = built.model, built.pipeline
+    else:  # its model is another program's (a separated vLLM engine rank's): a placeholder unit
+        model, pipeline = torch.nn.Linear(1, 1, device=device), None
     n_params = count_params(cfg.model)
     n_no_embed = count_params(cfg.model, exclude_embeddings=True, active=True)
     fpt, trained = model_flops(cfg, n_no_embed)
-    unit = TrainUnit(unit_cfg, built.model, device, par, built.pipeline)
+    unit = TrainUnit(unit_cfg, model, device, par, pipeline)
     training = recipe.setup(Setup(cfg, par, device, unit, run, found, resume))
     train, loader, val, evaluate = make_loaders(cfg, par, training.samples, found, device, run)
     if training.wrap is not None:  # e.g. the RL recipes' rollouts from each step's prompts

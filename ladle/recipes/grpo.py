@@ -8,6 +8,11 @@ reward model, the reference's log-probs when `grpo.kl_coef` > 0, and group advan
 (ladle/rl/advantages.py). The same rollouts serve `grpo.num_iterations` optimizer steps of the
 clipped policy loss (ladle/rl/losses.py `PolicyLoss`). What differs from PPO is here: no critic,
 the advantage of a response against its group.
+
+`grpo.placement: separated` puts a copy of the policy that only generates on half the ranks
+(ladle/rl/separated.py): the trainer's half sends it the weights after each update and the
+prompts due, and with `grpo.max_staleness` > 0 trains on one batch while the engine generates the
+next ones.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ import functools
 
 from ladle.config import LadleConfig
 from ladle.recipes.base import Setup, Training
-from ladle.recipes.rl import RLRecipe, correction, every_batch, rollout_loader
-from ladle.rl import roles
+from ladle.recipes.rl import RLRecipe, compute_dtype, correction, every_batch, local_engine, rollout_loader
+from ladle.rl import roles, vllm
 from ladle.rl.advantages import group_advantages
+from ladle.rl.loader import end_ids, sampling_of
 from ladle.rl.losses import PolicyLoss
+from ladle.rl.placement import Pair
+from ladle.rl.separated import ENGINE, Ahead, EngineClient, EngineSide, EngineTrainer, LinkedTrainer
 
 
 class GRPO(RLRecipe):
@@ -30,13 +38,79 @@ class GRPO(RLRecipe):
         super().check_layout(cfg, layout)
         every_batch(cfg, cfg.grpo.num_iterations, "grpo.num_iterations")
 
+    def placement(self, cfg: LadleConfig):
+        if cfg.grpo.placement == "separated":
+            return 2, (
+                "grpo.placement=separated puts the trainer on one group of ranks and the engine (a copy of "
+                "the policy that generates) on another"
+            )
+        return None
+
+    def builds_model(self, cfg: LadleConfig, par) -> bool:
+        # a separated vLLM engine rank: the copy that generates is vLLM's, fed by the trainer rank
+        return not (cfg.grpo.placement == "separated" and par.role == ENGINE and cfg.grpo.engine == "vllm")
+
     def setup(self, s: Setup) -> Training:
         cfg, g = s.cfg, s.cfg.grpo
+        pair = Pair(s.par.pair_group, s.device) if g.placement == "separated" else None
+        loss = self.loss(s)
+        if pair is not None and s.par.role == ENGINE:
+            return self.engine_setup(s, pair, loss)
         rewards = roles.load_rewards(cfg)
         reward_model = roles.reward_model(cfg, s.par, s.device, s.run.events)
         reference = (
             roles.frozen_reference(cfg, s.par, s.device, s.run.events, "grpo") if g.kl_coef > 0 else None
         )
+        client = trainer = None
+        if pair is not None:
+            hf = (cfg.model, compute_dtype(s)) if g.engine == "vllm" else None
+            client = EngineClient(
+                pair, s.unit.model, None, reuse=g.num_iterations, staleness=g.max_staleness, hf=hf
+            )
+            trainer = functools.partial(LinkedTrainer, pair=pair, client=client)
+            w = s.par.layout.world
+            s.run.events(
+                f"separated placement: the trainer on ranks 0-{w - 1}, the engine on ranks {w}-{2 * w - 1} "
+                f"({s.par.layout.describe()}), batches up to {g.max_staleness} updates stale"
+            )
+
+        def wrap(loader, evaluate):  # validation: the rewards on held-out prompts (RolloutLoader.validate)
+            advantages = functools.partial(group_advantages, section=g, group=s.par.data_group)
+            rollouts = rollout_loader(
+                s, loader, g, rewards, name=self.section, reference=reference, reward_model=reward_model,
+                advantages=advantages, reuse=g.num_iterations, engine=client,
+                on_validate=client.validated if client is not None else None,
+            )  # fmt: skip
+            if client is not None:  # the prompts read ahead by the batches the engine generates early
+                rollouts.inner = client.prompts = Ahead(rollouts.inner)
+            return rollouts, evaluate
+
+        return Training(self.samples, loss, wrap, trainer)
+
+    def engine_setup(self, s: Setup, pair: Pair, loss: PolicyLoss) -> Training:
+        """The engine's group of a separated placement: its copy of the policy generates what
+        the partner asks for; the prompts are the partner's to read."""
+
+        g = s.cfg.grpo
+
+        def wrap(loader, evaluate):
+            loader.close()
+            if g.engine == "vllm":  # in an engine process of its own, fed by the trainer rank
+                tok = s.found["tokenizer"]
+                engine = vllm.VLLMEngine(
+                    None, s.cfg.model, optimizer=None, seed=s.cfg.seed, end_ids=end_ids(tok), decode=tok.decode,
+                    dtype=compute_dtype(s), max_len=s.cfg.data.seq_len, engine_args=g.engine_args,
+                    device=s.device, where="grpo.engine_args", separated=True,
+                )  # fmt: skip
+            else:
+                engine = local_engine(s, g)
+            return EngineSide(pair, engine, s.unit.model, sampling_of(g)), evaluate
+
+        return Training(self.samples, loss, wrap, functools.partial(EngineTrainer, pair=pair))
+
+    @staticmethod
+    def loss(s: Setup) -> PolicyLoss:
+        g = s.cfg.grpo
         loss = PolicyLoss(
             clip_low=g.clip_low,
             clip_high=g.clip_high,
@@ -50,16 +124,7 @@ class GRPO(RLRecipe):
             **correction(g),
         )
         loss.all_positions = s.par.sequence_sharded
-
-        def wrap(loader, evaluate):  # validation: the rewards on held-out prompts (RolloutLoader.validate)
-            advantages = functools.partial(group_advantages, section=g, group=s.par.data_group)
-            rollouts = rollout_loader(
-                s, loader, g, rewards, name=self.section, reference=reference, reward_model=reward_model,
-                advantages=advantages, reuse=g.num_iterations,
-            )  # fmt: skip
-            return rollouts, evaluate
-
-        return Training(self.samples, loss, wrap)
+        return loss
 
 
 RECIPE = GRPO()

@@ -77,21 +77,50 @@ def every_batch(cfg: LadleConfig, steps: int, name: str) -> None:
         )
 
 
+def compute_dtype(s: Setup):
+    """The dtype the policy computes in (a vLLM engine's)."""
+    return s.unit.precision.autocast_dtype or s.unit.precision.param_dtype
+
+
+def local_engine(s: Setup, section) -> LocalEngine:
+    """ladle's engine: the model `s.unit` trains samples as it is laid out."""
+    tok = s.found["tokenizer"]
+    return LocalEngine(
+        s.unit.model,
+        seed=s.cfg.seed,
+        end_ids=end_ids(tok),
+        decode=tok.decode,
+        pad_id=tok.pad_id if tok.pad_id is not None else 0,
+        batch_size=section.rollout_batch,
+        group=s.par.group,  # the ranks of the model's layout (this group of a separated placement)
+        seq_multiple=s.par.layout.tp,
+        context=s.unit.numerics,
+    )
+
+
 def rollout_loader(
-    s: Setup, inner, section, rewards: tuple, *, name: str, reference=None, reward_model=None, **kw
+    s: Setup,
+    inner,
+    section,
+    rewards: tuple,
+    *,
+    name: str,
+    reference=None,
+    reward_model=None,
+    engine=None,
+    **kw,
 ) -> RolloutLoader:
     """The loop's loader of rollout batches made from `inner`'s prompts: the policy generates in
-    this process (`LocalEngine`, or vLLM's engine fed its weights: `VLLMEngine`), the rule
-    `rewards` (`roles.load_rewards`: the terms and the prompts' records) and `reward_model` score,
-    `reference` gives the KL's log-probs; `name`: the section's (`grpo`, `ppo`); `kw`:
-    RolloutLoader's (advantages, reuse, ...)."""
+    this process (`LocalEngine`, or vLLM's engine fed its weights: `VLLMEngine`) unless another
+    `engine` is given (a separated placement's), the rule `rewards` (`roles.load_rewards`: the
+    terms and the prompts' records) and `reward_model` score, `reference` gives the KL's
+    log-probs; `name`: the section's (`grpo`, `ppo`); `kw`: RolloutLoader's (advantages, reuse, ...)."""
     tok = s.found["tokenizer"]
     rewards, records = rewards
     parking = Parking(s.device, enabled=section.offload_idle)
     parking.add("reference", reference)
     parking.add("reward", reward_model)
-    if section.engine == "vllm":
-        precision = s.unit.precision
+    if engine is None and section.engine == "vllm":
         engine = vllm.VLLMEngine(
             s.unit.model,
             s.cfg.model,
@@ -99,24 +128,14 @@ def rollout_loader(
             seed=s.cfg.seed,
             end_ids=end_ids(tok),
             decode=tok.decode,
-            dtype=precision.autocast_dtype or precision.param_dtype,
+            dtype=compute_dtype(s),
             max_len=s.cfg.data.seq_len,
             engine_args=section.engine_args,
             device=s.device,
             where=f"{name}.engine_args",
         )
-    else:
-        engine = LocalEngine(
-            s.unit.model,
-            seed=s.cfg.seed,
-            end_ids=end_ids(tok),
-            decode=tok.decode,
-            pad_id=tok.pad_id if tok.pad_id is not None else 0,
-            batch_size=section.rollout_batch,
-            group=s.par.group,  # the ranks of the model's layout (this group of a separated placement)
-            seq_multiple=s.par.layout.tp,
-            context=s.unit.numerics,
-        )
+    elif engine is None:
+        engine = local_engine(s, section)
     return RolloutLoader(
         inner,
         section=section,

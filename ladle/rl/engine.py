@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from ladle.rl.rollout import Rollouts, Sampling, rollout
 
@@ -31,6 +32,14 @@ class RolloutEngine:
 
     def mark_stale(self) -> None:
         """The policy's weights changed outside an optimizer step (a state load)."""
+
+    def begin(self) -> None:
+        """A training step is about to take its batch (an engine that generates ahead asks for
+        its next batches here: ladle/rl/separated.py)."""
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's own figures for the step's record."""
+        return {}
 
     def close(self) -> None:
         """Release the engine."""
@@ -62,7 +71,9 @@ class LocalEngine(RolloutEngine):
         seq_multiple: int = 1,
         context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
-        self.model, self.seed, self.end_ids, self.decode = model, seed, end_ids, decode
+        # DDP's wrapper adds nothing to a forward without gradients, and hides the model's KV cache
+        self.model = model.module if isinstance(model, DistributedDataParallel) else model
+        self.seed, self.end_ids, self.decode = seed, end_ids, decode
         self.pad_id, self.batch_size, self.group, self.seq_multiple = pad_id, batch_size, group, seq_multiple
         self.context = context
 

@@ -54,6 +54,38 @@ def end_ids(tok) -> set[int]:
     return {i for i in ends if i is not None}
 
 
+class Dealt:
+    """The prompt loader of several data-parallel ranks, its prompts dealt out before generation
+    so each rank's engine has about as much work: every rank's prompts of a step gathered, the
+    costliest first to the least loaded rank (`balance`), each rank keeping its number of
+    prompts and microbatches (its engine runs in step with the others). A prompt's cost is its
+    samples' expected tokens: `samples` x (its length + `expected()`, the last batch's mean
+    response length). A response does not depend on the rank that samples it (keyed streams),
+    so the rollouts are the same; the exchange after generation then evens the training."""
+
+    def __init__(self, inner, *, group, samples: int, expected: Callable[[], float]):
+        self.inner, self.group, self.samples, self.expected = inner, group, samples, expected
+
+    def __getattr__(self, name):  # the loader's position, state, timing and reports
+        return getattr(self.inner, name)
+
+    def next(self) -> list[dict]:
+        micro = self.inner.next()
+        device = micro[0]["index"].device
+        sizes = [len(b["index"]) for b in micro]
+        rows = [{k: v[i].cpu() for k, v in b.items()} for b in micro for i in range(len(b["index"]))]
+        every = [r for mine in dist.all_gather_objects(rows, self.group) for r in mine]
+        extra = self.expected()
+        costs = [self.samples * (int(r["prompt_len"]) + extra) for r in every]
+        plan = balance(costs, dist.world_size(self.group), per_rank=len(rows))
+        mine = [every[k] for k in plan[dist.rank(self.group)]]
+        out, at = [], 0
+        for size in sizes:
+            chunk, at = mine[at : at + size], at + size
+            out.append({k: torch.stack([r[k] for r in chunk]).to(device) for k in chunk[0]})
+        return out
+
+
 class RolloutLoader:
     """The loop's loader of rollout batches (see the module's docstring). `unit`: the policy's
     (its precision and layout give the forward's numerics); `advantages(batches) -> metrics`
@@ -96,13 +128,17 @@ class RolloutLoader:
         self.estimate, self.values = advantages, values
         self.on_batch, self.on_validate = on_batch, on_validate
         self.reuse, self.minibatches = reuse, minibatches
+        par = unit.parallel
+        # the rows' bookkeeping is over the data-parallel ranks (a TP group holds the same rows)
+        self.group = par.data_group
+        if section.balance and dist.world_size(self.group) > 1:
+            cap = section.max_response_len
+            expected = lambda: self.metrics.get("response_len_mean", cap)  # noqa: E731
+            self.inner = Dealt(inner, group=self.group, samples=section.num_samples, expected=expected)
         self.keeps = keeps or {}  # state that carries over batches (PPO's reward moments): checkpointed
         self.sampling = sampling_of(section)
         self.end_ids = end_ids(tokenizer)
         self.pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-        par = unit.parallel
-        # the rows' bookkeeping is over the data-parallel ranks (a TP group holds the same rows)
-        self.group = par.data_group
         # tensor parallelism: every forward a multiple of tp positions (sequence shards), and the
         # heads run at every position (a rank holds a slice of them, not the ones to pick)
         self.tp = par.layout.tp
@@ -142,7 +178,7 @@ class RolloutLoader:
         self.engine.close()
 
     def step_metrics(self) -> dict:
-        return dict(self.metrics)
+        return {**self.metrics, **self.engine.metrics()}
 
     def batch_samples(self) -> dict | None:
         """The prompts of the rollout batch the last step trained on."""
@@ -150,6 +186,7 @@ class RolloutLoader:
 
     def next(self) -> list[dict]:
         self.data_s = self.gen_s = 0.0
+        self.engine.begin()
         if self.cached is None or self.uses >= self.reuse:
             step = self.inner.consumed_samples // max(self.inner.global_batch, 1)  # before next()
             micro = self.inner.next()

@@ -43,11 +43,14 @@ class Rollouts:
     response_ids: list[list[int]] = field(default_factory=list)
     sample_logps: list[list[float]] = field(default_factory=list)
     finished: list[bool] = field(default_factory=list)  # ended by EOS or a stop string, not the cap
+    version: list[int] = field(default_factory=list)  # the policy's optimizer step it was sampled with
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
-    def add(self, prompt_index: int, sample_index: int, prompt, response, logps, finished: bool) -> None:
+    def add(
+        self, prompt_index: int, sample_index: int, prompt, response, logps, finished: bool, version: int = 0
+    ) -> None:
         """One more row."""
         self.prompt_index.append(prompt_index)
         self.sample_index.append(sample_index)
@@ -55,6 +58,7 @@ class Rollouts:
         self.response_ids.append(response)
         self.sample_logps.append(logps)
         self.finished.append(finished)
+        self.version.append(version)
 
     def extend(self, other: Rollouts) -> None:
         for name in self.__dataclass_fields__:
@@ -203,14 +207,15 @@ def logprob_diff(rollouts: Rollouts, logps: torch.Tensor, batch: dict) -> float:
     return worst
 
 
-def balance(costs: list[int], ranks: int) -> list[list[int]]:
+def balance(costs: list[float], ranks: int, per_rank: int | None = None) -> list[list[int]]:
     """Rows spread over `ranks` so the summed costs (e.g. padded tokens) are even: the longest
-    first, each to the least loaded rank (LPT; within 4/3 of the best). Returns each rank's row
-    indices, in ascending order."""
-    load = [0] * ranks
+    first, each to the least loaded rank (LPT; within 4/3 of the best), or the least loaded of
+    those holding fewer than `per_rank` rows. Returns each rank's row indices, in ascending order."""
+    load = [0.0] * ranks
     out: list[list[int]] = [[] for _ in range(ranks)]
     for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
+        room = [r for r in range(ranks) if per_rank is None or len(out[r]) < per_rank]
+        r = min(room, key=lambda r: (load[r], r))
         out[r].append(k)
         load[r] += costs[k]
     return [sorted(x) for x in out]

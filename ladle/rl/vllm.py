@@ -7,7 +7,9 @@ Placement: colocated. Each training process holds its own engine, inside the pro
 `external_launcher` executor, as trl's colocate mode and verl's hybrid engine run it), of tensor
 parallel degree 1: the data-parallel ranks each generate their own prompts, as with ladle's
 engine. The engine starts from the policy's config alone (`load_format: dummy`) and gets every
-weight from the policy before it first samples.
+weight from the policy before it first samples. Or separated (GRPO's `placement: separated`):
+vLLM on each engine rank in an engine process of its own, fed by the paired trainer rank
+(ladle/rl/vllm_worker.py, ladle/rl/separated.py).
 
 Weights that follow the policy: after an optimizer step (or a state load: resume, rollback) the
 next `sync_weights` streams the policy's weights to the engine in Hugging Face names, one tensor
@@ -60,6 +62,7 @@ FIXED = {
     "dtype",
     "seed",
     "distributed_executor_backend",
+    "worker_extension_cls",
     "logprobs_mode",
 }
 NOT_YET = {  # engine layouts other than one engine per training process
@@ -113,7 +116,9 @@ class VLLMEngine(RolloutEngine):
     """vLLM inside this training process, fed the policy's weights (see the module docstring).
     `model`: the policy as it trains (laid out); `optimizer`: its optimizer, whose steps mark the
     engine's copy stale; `max_len`: prompt + response tokens at most; `where`: the config key of
-    `engine_args`, for the message when vLLM refuses a value."""
+    `engine_args`, for the message when vLLM refuses a value. `separated`: on an engine rank of
+    GRPO's separated placement, without the policy: vLLM in an engine process of its own, its
+    worker fed by the paired trainer rank (`connect`, `receive`: ladle/rl/vllm_worker.py)."""
 
     copies_weights = True
 
@@ -131,6 +136,7 @@ class VLLMEngine(RolloutEngine):
         engine_args: dict,
         device: torch.device,
         where: str = "engine_args",
+        separated: bool = False,
     ):
         vllm = import_vllm("engine")
         self.model, self.model_cfg, self.dtype = model, model_cfg, dtype
@@ -142,13 +148,19 @@ class VLLMEngine(RolloutEngine):
         config["tie_word_embeddings"] = False
         with open(os.path.join(self.folder, "config.json"), "w") as f:
             json.dump(config, f)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
-        # the executor reads torchrun's variables; a one-process run has none (it joins our group)
-        rank, world = dist.rank(), dist.world_size()
-        for key, value in (("RANK", rank), ("LOCAL_RANK", dist.local_rank()), ("WORLD_SIZE", world)):
-            os.environ.setdefault(key, str(value))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if separated:  # an engine process with a torch.distributed world of its own
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            where_it_runs = {"worker_extension_cls": "ladle.rl.vllm_worker.WeightReceiver"}
+        else:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+            # the executor reads torchrun's variables; a one-process run has none (it joins our group)
+            rank, world = dist.rank(), dist.world_size()
+            for key, value in (("RANK", rank), ("LOCAL_RANK", dist.local_rank()), ("WORLD_SIZE", world)):
+                os.environ.setdefault(key, str(value))
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            # in this process, on its process group
+            where_it_runs = {"distributed_executor_backend": "external_launcher"}
         args = {
             "enable_prefix_caching": True,
             "enforce_eager": device.type == "cpu",
@@ -164,7 +176,7 @@ class VLLMEngine(RolloutEngine):
             "load_format": "dummy",  # every weight comes from the policy at the first sync
             "dtype": DTYPES[dtype],
             "seed": seed,
-            "distributed_executor_backend": "external_launcher",  # in this process, on its process group
+            **where_it_runs,
             "logprobs_mode": "processed_logprobs",  # of softmax(logits / T), as the trainer's
         }
         self.sleeps = bool(args.get("enable_sleep_mode"))
@@ -175,7 +187,8 @@ class VLLMEngine(RolloutEngine):
         # vLLM tears down the process group it joined when its engine shuts down: at the run's end
         dist.before_shutdown(self.shutdown)
         self.stale, self.asleep = True, False
-        optimizer.register_step_post_hook(lambda *_: self.mark_stale())
+        if optimizer is not None:
+            optimizer.register_step_post_hook(lambda *_: self.mark_stale())
         self._params, self._prompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
 
     def mark_stale(self) -> None:
@@ -191,6 +204,20 @@ class VLLMEngine(RolloutEngine):
             pairs = stream_hf(self.model, self.model_cfg, self.dtype, untie=True)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
             self.stale = False
+        return time.perf_counter() - t0
+
+    def connect(self, host: str, port: int) -> None:
+        """A separated engine: its worker joins the trainer rank's private group."""
+        self.llm.collective_rpc("ladle_connect", args=(host, port))
+
+    def receive(self) -> float:
+        """A separated engine: the weights the trainer rank streams, into the engine; the seconds."""
+        t0 = time.perf_counter()
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        self.llm.collective_rpc("ladle_receive")
+        self.stale = False
         return time.perf_counter() - t0
 
     def generate(self, prompts, prompt_index, sampling: Sampling, *, step: int) -> Rollouts:
