@@ -731,7 +731,7 @@ class GRPOConfig(RolloutConfig):
     max_staleness: int = Field(
         0,
         ge=0,
-        description="asynchronous training (`placement: separated`): the engine generates the batches of the next steps while the trainer trains, from weights at most this many updates older than those they are trained with (logged: `staleness_mean`, `staleness_max`); 0: the synchronous loop",
+        description="asynchronous training (`placement: separated`): the engine generates the batches of the next steps while the trainer trains, from weights at most this many updates older than those of the batch's first step (its further `num_iterations` steps add their own, as in the synchronous loop; logged: `staleness_mean`, `staleness_max`); 0: the synchronous loop",
     )
 
     @model_validator(mode="after")

@@ -64,9 +64,11 @@ class GRPO(RLRecipe):
         client = trainer = None
         if pair is not None:
             hf = (cfg.model, compute_dtype(s)) if g.engine == "vllm" else None
+            t = cfg.train
             client = EngineClient(
-                pair, s.unit.model, None, reuse=g.num_iterations, staleness=g.max_staleness, hf=hf
-            )
+                pair, s.unit.model, None, reuse=g.num_iterations, staleness=g.max_staleness, hf=hf,
+                max_steps=t.max_steps, exit_at_step=t.exit_at_step,
+            )  # fmt: skip
             trainer = functools.partial(LinkedTrainer, pair=pair, client=client)
             w = s.par.layout.world
             s.run.events(

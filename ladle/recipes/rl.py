@@ -117,7 +117,8 @@ def rollout_loader(
     log-probs; `name`: the section's (`grpo`, `ppo`); `kw`: RolloutLoader's (advantages, reuse, ...)."""
     tok = s.found["tokenizer"]
     rewards, records = rewards
-    parking = Parking(s.device, enabled=section.offload_idle)
+    # another engine (a separated placement's) generates elsewhere: nothing here to make room for
+    parking = Parking(s.device, enabled=section.offload_idle and engine is None)
     parking.add("reference", reference)
     parking.add("reward", reward_model)
     if engine is None and section.engine == "vllm":

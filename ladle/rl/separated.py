@@ -138,16 +138,26 @@ class EngineClient(RolloutEngine):
     copies_weights = True
 
     def __init__(
-        self, pair: Pair, model: torch.nn.Module, prompts: Ahead, *, reuse: int, staleness: int, hf=None
+        self,
+        pair: Pair,
+        model: torch.nn.Module,
+        prompts: Ahead,
+        *,
+        reuse: int,
+        staleness: int,
+        max_steps: int,
+        exit_at_step: int = 0,
+        hf=None,
     ):
         self.pair, self.model, self.prompts = pair, model, prompts
         self.reuse, self.staleness = reuse, staleness
+        self.max_steps, self.exit_at_step = max_steps, exit_at_step  # the run's end (train.*)
         self.hf = hf  # (model config, dtype): a vLLM engine, fed the policy in HF names
         self.group = None  # the private group to its worker
         self.clock = lambda: 0  # the trainer's optimizer step (LinkedTrainer sets it)
         self.wait_s = self.send_s = 0.0
         self.steps = 0  # steps since the last `metrics()`
-        self.last: dict[str, float] = {}
+        self.ages: list[int] = []  # the staleness of the rows handed out since then
         self.reset()
 
     def reset(self) -> None:
@@ -201,6 +211,11 @@ class EngineClient(RolloutEngine):
 
     def begin(self) -> None:
         last = (self.t + self.staleness) // self.reuse  # the last batch (since the start) due by now
+        start = self.clock() - self.t  # the trainer's step at the (re)start
+        end = self.max_steps  # and the step it stops at: no batch is asked for that it will not train
+        if self.exit_at_step:  # (the loop checks it after a step: one step at least)
+            end = min(end, max(self.exit_at_step, start + 1))
+        last = min(last, (end - 1 - start) // self.reuse)
         batches = []
         while self.due <= last:
             batches.append(self.prompts.read())
@@ -240,19 +255,23 @@ class EngineClient(RolloutEngine):
             return self.pair.recv()
         r = self.ready.pop((step, prompt_index[0]))
         now = self.clock()
-        ages = [now - v for v in r.version]
-        self.last = {"staleness_mean": sum(ages) / len(ages), "staleness_max": float(max(ages))}
+        self.ages += [now - v for v in r.version]
         return r
 
     def validated(self) -> None:
         self.pair.tell("validated")
 
     def metrics(self) -> dict[str, float]:
-        """The last batch's staleness and the trainer's wait for the engine's rollouts (seconds a
-        step, since the last call)."""
-        out = {**self.last, "engine_wait_s": self.wait_s / max(self.steps, 1)}
-        self.wait_s, self.steps = 0.0, 0
+        """Since the last call: the staleness of the rows handed out (at their batch's first
+        step), and the trainer's wait for the engine's rollouts, in seconds a step."""
+        out = {"engine_wait_s": self.wait_s / max(self.steps, 1)}
+        if self.ages:
+            out.update(staleness_mean=sum(self.ages) / len(self.ages), staleness_max=float(max(self.ages)))
+        self.wait_s, self.steps, self.ages = 0.0, 0, []
         return out
+
+    def close(self) -> None:
+        self.group = None  # the private group to vLLM's worker (its store goes with it)
 
 
 class EngineSide:
@@ -278,8 +297,12 @@ class EngineSide:
             else:
                 kind = msg[1] if msg[0] == "tell" else msg[0]
                 break
-        for step, prompts, index in asked:
-            self.pair.send(self.engine.generate(prompts, index, self.sampling, step=step))
+        # all generated before any is sent: a send waits for the trainer's receive, at its step's end
+        done = [
+            self.engine.generate(prompts, index, self.sampling, step=step) for step, prompts, index in asked
+        ]
+        for r in done:
+            self.pair.send(r)
         return kind
 
     @torch.no_grad()
@@ -325,7 +348,7 @@ class EngineSide:
         return {}
 
     def close(self) -> None:
-        pass
+        self.engine.close()
 
 
 class LinkedTrainer(Trainer):

@@ -112,6 +112,17 @@ def check(section, model: ModelConfig, name: str) -> None:
         )
 
 
+def visible_only(device: torch.device) -> None:
+    """This rank's accelerator the only one processes started from here see (vLLM's engine
+    process picks the first it sees)."""
+    var = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}.get(device.type)
+    if var is None or device.index is None:
+        return
+    seen = os.environ.get(var)
+    ids = seen.split(",") if seen else [str(i) for i in range(torch.accelerator.device_count())]
+    os.environ[var] = ids[device.index]
+
+
 class VLLMEngine(RolloutEngine):
     """vLLM inside this training process, fed the policy's weights (see the module docstring).
     `model`: the policy as it trains (laid out); `optimizer`: its optimizer, whose steps mark the
@@ -150,6 +161,7 @@ class VLLMEngine(RolloutEngine):
             json.dump(config, f)
         if separated:  # an engine process with a torch.distributed world of its own
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            visible_only(device)  # the engine process on this rank's device, not the first one
             where_it_runs = {"worker_extension_cls": "ladle.rl.vllm_worker.WeightReceiver"}
         else:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
@@ -165,8 +177,13 @@ class VLLMEngine(RolloutEngine):
             "enable_prefix_caching": True,
             "enforce_eager": device.type == "cpu",
             "max_model_len": max_len,
-            # colocated with training: a share of the device (on a CPU, of its memory for the KV cache)
-            **({"kv_cache_memory_bytes": 2**28} if device.type == "cpu" else {"gpu_memory_utilization": 0.3}),
+            # colocated with training: a share of the device (on a CPU, of its memory for the KV
+            # cache); an engine rank's device is the engine's
+            **(
+                {"kv_cache_memory_bytes": 2**28}
+                if device.type == "cpu"
+                else {"gpu_memory_utilization": 0.85 if separated else 0.3}
+            ),
             # vLLM's CPU sampler cannot rewind a seeded request's generator after a partial prefill
             # ("CPU Generator does not use offset"): whole prompts only
             **({"enable_chunked_prefill": False} if device.type == "cpu" else {}),
@@ -179,7 +196,8 @@ class VLLMEngine(RolloutEngine):
             **where_it_runs,
             "logprobs_mode": "processed_logprobs",  # of softmax(logits / T), as the trainer's
         }
-        self.sleeps = bool(args.get("enable_sleep_mode"))
+        # sleeping gives the training step the device; an engine rank trains nothing on it
+        self.sleeps = bool(args.get("enable_sleep_mode")) and not separated
         try:
             self.llm = vllm.LLM(**args)
         except (TypeError, ValueError) as e:  # a value vLLM's config refuses (the keys were checked)
