@@ -3,7 +3,7 @@
 One module per group of commands, each with the functions that add its sub-parsers (`COMMANDS`)
 and its `cmd_*` functions, which import what they run only when they run: config (ls, cp,
 validate, plan), run (run, launch slurm), data (tokenizer, data), models (export, checkpoint,
-eval, generate), tools (doctor, rank-table, bench, report, compare).
+eval, generate), rewards (rewards score), tools (doctor, rank-table, bench, report, compare).
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ladle.cli import config, data, models, run, tools
+from ladle.cli import config, data, models, rewards, run, tools
 from ladle.errors import LadleError
 
-COMMANDS = {name: add for group in (config, run, data, models, tools) for name, add in group.COMMANDS.items()}
+COMMANDS = {
+    name: add for group in (config, run, data, models, rewards, tools) for name, add in group.COMMANDS.items()
+}
 # the order `ladle --help` lists them in
 ORDER = (
     "ls", "cp", "validate", "plan", "bench", "report", "compare", "run", "launch", "tokenizer", "data",
-    "export", "checkpoint", "eval", "rank-table", "doctor", "generate",
+    "export", "checkpoint", "eval", "rewards", "rank-table", "doctor", "generate",
 )  # fmt: skip
 
 

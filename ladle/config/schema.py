@@ -846,6 +846,10 @@ class RewardsConfig(Section):
         description="a reward model (`ladle run reward` run dir, checkpoint, or HF `...ForSequenceClassification` folder) of the policy's vocabulary: its score of each whole response (at its last token) joins the sum, logged as `reward_model_mean`; with it `rewards.terms` may be `[]`",
     )
     model_weight: float = Field(1.0, description="the reward model's weight in the sum")
+    on_error: Literal["stop", "zero"] = Field(
+        "stop",
+        description="a reward term that raises: `stop` the run (exit 2, naming the term, its file and line, the exception, the step, prompt and sample; the checkpoints so far kept) or score it `zero` and go on (counted as `reward_errors`, the first cases named in events.log); a sandboxed program's own failure is never an error, it scores 0",
+    )
 
 
 class GuardConfig(Section):

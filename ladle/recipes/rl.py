@@ -150,5 +150,6 @@ def rollout_loader(
         reference=reference,
         reward_model=reward_model,
         reward_weight=s.cfg.rewards.model_weight,
+        log=lambda msg, level="info": s.run.events(msg, level=level),
         **kw,
     )

@@ -26,7 +26,7 @@ from ladle import distributed as dist
 from ladle import watchdog
 from ladle.data.chat import END_OF_TURN
 from ladle.rl.engine import RolloutEngine
-from ladle.rl.rewards import Rewards
+from ladle.rl.rewards import RewardError, Rewards
 from ladle.rl.roles import Parking
 from ladle.rl.rollout import Sampling, balance, imbalance, logprob_diff, response_logps, score_at, sequences
 from ladle.rl.stats import collect, means
@@ -120,6 +120,7 @@ class RolloutLoader:
         minibatches: int = 1,
         trained: tuple[str, ...] = (),
         keeps: dict | None = None,
+        log: Callable[..., None] = lambda msg, level="info": None,
     ):
         self.inner, self.section, self.engine, self.tok = inner, section, engine, tokenizer
         self.rewards, self.records, self.unit, self.seed = rewards, records, unit, seed
@@ -135,6 +136,7 @@ class RolloutLoader:
             cap = section.max_response_len
             expected = lambda: self.metrics.get("response_len_mean", cap)  # noqa: E731
             self.inner = Dealt(inner, group=self.group, samples=section.num_samples, expected=expected)
+        self.log, self.named = log, 0  # the run's events.log; reward failures named so far
         self.keeps = keeps or {}  # state that carries over batches (PPO's reward moments): checkpointed
         self.sampling = sampling_of(section)
         self.end_ids = end_ids(tokenizer)
@@ -232,23 +234,44 @@ class RolloutLoader:
         self.parking.park(*self.parking.items)  # the policy alone generates
         self.sync_s += self.engine.sync_weights()
         r = self.engine.generate(prompts, index, self.sampling, step=step)
-        rew, terms = self.score(r, prompts, index, split)
+        rew, terms = self.score(r, prompts, index, split, step)
         terms["response_len"] = [len(x) for x in r.response_ids]
         return r, rew, terms
 
-    def score(self, r, prompts: list[list[int]], index: list[int], split: str):
+    def score(self, r, prompts: list[list[int]], index: list[int], split: str, step: int = 0):
         """The rewards of the rollouts `r`: the rule terms on each response's text (end tokens
         dropped) and its prompt's record, plus the reward model's score of the whole sequence at
         its last token, weighted. Returns (rewards (float64), every term's values by key)."""
         prompt_text = {i: self.tok.decode(p) for i, p in zip(index, prompts, strict=True)}
         records = self.records[split]
-        rewards, terms = [], {}
-        for i, resp, n in zip(r.prompt_index, r.response_ids, map(len, r.response_ids), strict=True):
+        rewards, terms, failed, errors = [], {}, None, []
+        for i, s, resp in zip(r.prompt_index, r.sample_index, r.response_ids, strict=True):
             text = self.tok.decode([t for t in resp if t not in self.end_ids])
-            total, each = self.rewards(text, records[i], prompt=prompt_text[i], response_tokens=n)
+            at = f"step {step + 1}{' (validation)' if split == 'val' else ''}, {split} prompt {i} sample {s}"
+            before = self.rewards.errors
+            try:
+                total, each = self.rewards(text, records[i], prompt=prompt_text[i], response_tokens=len(resp))
+            except RewardError as e:
+                failed = f"{e}; at {at}; the response began {text[:120]!r}"
+                break
+            errors.append(self.rewards.errors - before)
+            if errors[-1] and self.named < 3:  # rewards.on_error: zero; the first cases named
+                self.named += 1
+                self.log(
+                    f"{self.rewards.last_failure}; at {at}: scored 0 (rewards.on_error: zero)", "warning"
+                )
             rewards.append(total)
             for k, v in each.items():
                 terms.setdefault(k, []).append(v)
+        # every rank stops when one's reward raised (the next collective would wait for it)
+        if dist.any_rank(failed is not None, self.device, self.group):
+            failed = failed or "a reward raised on another rank (its message is in events.log)"
+            self.log(
+                failed + "; the run stops (rewards.on_error: stop; its checkpoints so far are kept)", "error"
+            )
+            raise RewardError(failed)
+        if self.rewards.on_error == "zero":
+            terms["errors"] = errors  # logged as the count, `reward_errors`
         rew = torch.tensor(rewards, dtype=torch.float64)
         if self.reward_model is not None:
             self.parking.unpark("reward")
@@ -443,7 +466,10 @@ class RolloutLoader:
         )
         diff_max, tokens_max, gen_s_max, sync_s_max = high.tolist()
         out = means(parts, self.group)
-        total = out["response_len_mean"] * out.pop("responses")
+        responses = out.pop("responses")
+        total = out["response_len_mean"] * responses
+        if "reward_errors_mean" in out:  # rewards.on_error: zero: how many raised this step
+            out["reward_errors"] = round(out.pop("reward_errors_mean") * responses)
         mean_tokens = total / dist.world_size(self.group)
         if diff is not None:
             out["rollout_logprob_diff"] = diff_max

@@ -239,12 +239,69 @@ def length_reward(max_tokens: int, buffer: int = 0):
     return reward
 
 
+_FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def program_of(response: str) -> str:
+    """The program in a response: its last fenced code block (```python ... ```), else all of it."""
+    blocks = _FENCE.findall(response)
+    return blocks[-1] if blocks else response
+
+
+def _same_output(got: str, want: str) -> bool:
+    """Outputs compared line by line, trailing spaces and blank lines at the end ignored."""
+    lines = lambda t: [x.rstrip() for x in t.rstrip().splitlines()]  # noqa: E731
+    return lines(got) == lines(want)
+
+
+_POOL = None
+
+
+def code_reward(
+    field: str = "tests", partial: bool = False, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 1024
+):
+    """The response's program (`program_of`) run in the sandbox (ladle/rl/sandbox.py) against the
+    record's `field`: a list of {"input", "output"} cases (standard input, expected standard
+    output) or a string of assert-style tests run after the program. 1.0 if every case passes
+    (`partial`: the share that do); a program that fails, is refused, or runs past its limits
+    (`wall_s`, `cpu_s`, `memory_mb` a case) fails its case. The cases run in parallel, as many
+    as the machine has cores."""
+    from ladle.rl import sandbox
+
+    limits = sandbox.Limits(wall_s=wall_s, cpu_s=cpu_s, memory_bytes=memory_mb << 20)
+
+    def reward(response: str, record: dict, **_) -> float:
+        global _POOL
+        tests = record.get(field)
+        if not tests or not isinstance(tests, (list, str)):
+            raise DataError(
+                f"reward 'code' reads the record's {field!r}: a list of {{'input', 'output'}} cases or a string of "
+                f"assert-style tests; this record has {tests!r:.80}"
+            )
+        program = program_of(response)
+        if isinstance(tests, str):
+            jobs, wants = [(program + "\n\n" + tests + "\n", "")], [None]
+        else:
+            jobs = [(program, str(c.get("input", ""))) for c in tests]
+            wants = [str(c.get("output", "")) for c in tests]
+        _POOL = _POOL or sandbox.Pool()
+        results = _POOL.map(jobs, limits)
+        passed = [
+            r.ok and (w is None or _same_output(r.stdout, w)) for r, w in zip(results, wants, strict=True)
+        ]
+        return sum(passed) / len(passed) if partial else float(all(passed))
+
+    reward.fields = (field,)
+    return reward
+
+
 REGISTRY = {
     "exact": exact_reward,
     "regex": regex_reward,
     "math": math_reward,
     "format": format_reward,
     "length": length_reward,
+    "code": code_reward,
 }
 
 
@@ -265,14 +322,39 @@ def load_reward_file(path: str | os.PathLike):
     return module
 
 
+class RewardError(DataError):
+    """A reward term raised: the message names it, where it raised and what."""
+
+
+def describe_failure(key: str, fn: Callable, e: Exception) -> str:
+    """'reward KEY (FILE:LINE) raised TYPE: MESSAGE', the line the deepest of the term's own file
+    (else where it raised)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    own = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    at = next((f for f in reversed(frames) if f.filename == own), frames[-1] if frames else None)
+    where = f" ({at.filename}:{at.lineno})" if at is not None else ""
+    return f"reward {key!r}{where} raised {type(e).__name__}: {e}"
+
+
 class Rewards:
     """The weighted sum of named reward terms, each logged as `reward_<key>` (its mean).
 
     terms: dicts {name, weight (1.0), key (the name), and the reward's own options}; `name` is a
-    registered reward or a function of `file`.
+    registered reward or a function of `file`. `on_error`: a term that raises is a `RewardError`
+    (`stop`) or scores 0 (`zero`), counted in `errors` (the last one's message: `last_failure`).
     """
 
-    def __init__(self, terms: list[dict], file: str | os.PathLike | None = None, *, model: bool = False):
+    def __init__(
+        self,
+        terms: list[dict],
+        file: str | os.PathLike | None = None,
+        *,
+        model: bool = False,
+        on_error: str = "stop",
+    ):
+        self.on_error, self.errors, self.last_failure = on_error, 0, ""
         if not terms and not model:  # `model`: a reward model scores too (the recipe adds its term)
             raise ConfigError("rewards.terms: name at least one reward (or a reward model, rewards.model)")
         module = load_reward_file(file) if file else None
@@ -344,7 +426,14 @@ class Rewards:
         """(the weighted total, each term's value by key) of one response."""
         parts = {}
         for key, _, fn in self.terms:
-            value = fn(response, record, **context)
+            try:
+                value = fn(response, record, **context)
+            except Exception as e:
+                why = describe_failure(key, fn, e)
+                if self.on_error == "stop":
+                    raise RewardError(why) from e
+                self.errors, self.last_failure = self.errors + 1, why
+                value = 0.0
             try:
                 value = float(value)
             except (TypeError, ValueError):

@@ -92,7 +92,12 @@ def frozen_reference(cfg: LadleConfig, par: Parallel, device, log: Callable[[str
 
 def load_rewards(cfg: LadleConfig) -> tuple[Rewards, dict[str, list[dict]]]:
     """The rule rewards and the prompts' records by split, checked for the fields the rewards read."""
-    rewards = Rewards(cfg.rewards.terms, cfg.rewards.file, model=cfg.rewards.model is not None)
+    rewards = Rewards(
+        cfg.rewards.terms,
+        cfg.rewards.file,
+        model=cfg.rewards.model is not None,
+        on_error=cfg.rewards.on_error,
+    )
     records = {split: PromptSplit(cfg.data.path, split).records for split in ("train", "val")}
     need = rewards.fields
     for split, recs in records.items():

@@ -1,0 +1,196 @@
+"""Running a response's program, safely: the `code` reward's cases (ladle/rl/rewards.py) and any
+tool that runs code. A hostile program (one that writes outside its folder, forks without end,
+opens a socket, sleeps or loops past its limit, eats the memory, floods its output) fails its
+case and leaves nothing behind; the run goes on.
+
+Each run is a separate Python process (`python -I`, no user site or environment), in layers, so
+that one layer's gap is another's wall:
+
+- its own session and process group, killed whole at the end (SIGKILL), whatever it started;
+- a network namespace of its own where the kernel allows one (root: `unshare(CLONE_NEWNET)`,
+  else with a user namespace): no interface but a loopback that is down;
+- as root, the run drops to the `nobody` user (no file of the host is its to write);
+- resource limits: CPU seconds, address space, file size (stdout and stderr go to files in its
+  folder, so the size limit caps the output), open files, processes;
+- a private temporary folder as its working and home directory, removed at the end;
+- an audit hook (PEP 578) installed before the program runs, which refuses forks, exec, new
+  processes, sockets, ctypes and other native loaders, and any write, removal or rename
+  outside the folder;
+- a wall-clock limit, after which the whole group is killed.
+
+`run(code, stdin, limits)` -> a `Result` (exit status, stdout, stderr, timed out or not).
+`Pool` runs many at once on as many workers as the machine has cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+# Runs first in the sandboxed interpreter: the audit hook, then the program (argv[1]) as __main__.
+DRIVER = r"""
+import os, sys
+ROOT = os.path.realpath(os.getcwd())
+DENY = {
+    "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill",
+    "os.killpg", "os.setsid", "subprocess.Popen", "pty.spawn", "socket.__new__", "socket.bind",
+    "socket.connect", "socket.getaddrinfo", "socket.sendto", "ctypes.dlopen", "ctypes.dlsym",
+    "ctypes.cdata", "ctypes.call_function", "ctypes.addressof", "mmap.__new__", "sys.addaudithook",
+    "os.chroot", "os.putenv", "os.unsetenv", "resource.setrlimit", "resource.prlimit",
+}
+WRITES = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
+          "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+NATIVE = ("ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "_socket", "socket",
+          "multiprocessing", "_multiprocessing", "signal", "_signal", "resource", "mmap")
+
+def inside(path):
+    try:
+        p = os.path.realpath(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return False
+    return p == ROOT or p.startswith(ROOT + os.sep)
+
+def hook(event, args):
+    if event in DENY:
+        raise PermissionError(f"sandbox: {event} is not allowed")
+    if event == "import" and args and str(args[0]).split(".")[0] in NATIVE:
+        raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
+    if event == "open" and len(args) > 1:
+        path, mode, flags = args[0], args[1], args[2] if len(args) > 2 else 0
+        writes = (mode and any(c in str(mode) for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        if writes and not isinstance(path, int) and not inside(path):
+            raise PermissionError(f"sandbox: writing {path!r} is not allowed")
+    if event in WRITES and args and not all(inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
+        raise PermissionError(f"sandbox: {event} outside the sandbox is not allowed")
+
+with open(sys.argv[1]) as f:
+    source = f.read()
+code = compile(source, "<program>", "exec")
+sys.argv = ["<program>"]
+sys.addaudithook(hook)
+exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+# Runs first in the child (a fresh interpreter, no threads): the limits, a network namespace of
+# its own, `nobody` where it can reach the interpreter; then the driver in its place (exec).
+ISOLATE = r"""
+import ctypes, os, resource, sys
+cpu, memory, output, processes, drop = (int(x) for x in sys.argv[1:6])
+libc = ctypes.CDLL(None, use_errno=True)
+root = os.geteuid() == 0
+libc.unshare(0x40000000 if root else 0x10000000 | 0x40000000)  # no namespace: the hook still refuses sockets
+for what, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, output),
+                    (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(what, (value, value))
+if root and drop:
+    os.chown(".", 65534, 65534)
+    resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+os.execv(sys.executable, [sys.executable, "-I", "-S", "driver.py", "main.py"])
+"""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one run may take."""
+
+    wall_s: float = 10.0
+    cpu_s: int = 5
+    memory_bytes: int = 1 << 30
+    output_bytes: int = 1 << 20
+    processes: int = 64  # a ceiling for the user `nobody` across every sandbox running at once
+
+
+@dataclass
+class Result:
+    returncode: int | None  # None: killed at the wall-clock limit
+    stdout: str
+    stderr: str
+    timed_out: bool
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+
+def reachable_by_others(path: str) -> bool:
+    """Whether a user without rights of its own (`nobody`) can run the interpreter at `path`:
+    every folder above it searchable and the file executable by others."""
+    p = os.path.realpath(path)
+    parts = [p] + [os.path.dirname(p)]
+    while parts[-1] != os.path.dirname(parts[-1]):
+        parts.append(os.path.dirname(parts[-1]))
+    return all(os.stat(x).st_mode & 0o001 for x in parts)
+
+
+DROP = reachable_by_others(sys.executable)  # as root: run the program as `nobody` (else as root, hooked)
+
+
+def run(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
+    """`code` (Python source) run in a sandbox with `stdin`; its folder is removed after."""
+    folder = tempfile.mkdtemp(prefix="ladle-sandbox-")
+    try:
+        os.chmod(folder, 0o700)
+        for name, text in (("main.py", code), ("driver.py", DRIVER), ("stdin", stdin)):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8"}
+        args = [
+            str(x)
+            for x in (limits.cpu_s, limits.memory_bytes, limits.output_bytes, limits.processes, int(DROP))
+        ]
+        t0 = time.perf_counter()
+        with open(os.path.join(folder, "stdin")) as i, open(out, "w") as o, open(err, "w") as e:
+            p = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", ISOLATE, *args],
+                stdin=i,
+                stdout=o,
+                stderr=e,
+                cwd=folder,
+                env=env,
+                start_new_session=True,  # its own process group: killed whole at the end
+                close_fds=True,
+            )
+            try:
+                returncode, timed_out = p.wait(timeout=limits.wall_s), False
+            except subprocess.TimeoutExpired:
+                returncode, timed_out = None, True
+            finally:
+                _kill(p.pid)
+                p.wait()
+        seconds = time.perf_counter() - t0
+        read = lambda path: open(path, errors="replace").read(limits.output_bytes)  # noqa: E731
+        return Result(returncode, read(out), read(err), timed_out, seconds)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _kill(pid: int) -> None:
+    """The run's whole process group (its session: it made it), killed."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Pool:
+    """Sandboxed runs side by side, as many as the machine has cores (or `workers`)."""
+
+    def __init__(self, workers: int | None = None):
+        self.workers = workers or max(1, len(os.sched_getaffinity(0)))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ladle-sandbox")
+
+    def map(self, jobs: list[tuple[str, str]], limits: Limits = Limits()) -> list[Result]:
+        """Each (code, stdin) run; the results in order."""
+        return list(self._pool.map(lambda job: run(job[0], job[1], limits), jobs))

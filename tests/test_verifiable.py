@@ -1,0 +1,157 @@
+"""Verifiable rewards run safely: the sandbox (ladle/rl/sandbox.py) against hostile programs, the
+`code` reward, `ladle rewards score`, and a reward that raises inside a run (`rewards.on_error`)."""
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from ladle.rl import sandbox
+from ladle.rl.rewards import Rewards, program_of
+
+FAST = sandbox.Limits(wall_s=3.0, cpu_s=2)
+
+
+def leftovers() -> set[str]:
+    return {p for p in os.listdir("/tmp") if p.startswith("ladle-sandbox-")}
+
+
+def test_a_program_runs_with_its_input_and_leaves_nothing():
+    before = leftovers()
+    r = sandbox.run("print(sum(map(int, input().split())))", "2 40\n", FAST)
+    assert r.ok and r.stdout == "42\n"
+    r = sandbox.run("open('scratch.txt', 'w').write('mine'); print(open('scratch.txt').read())", "", FAST)
+    assert r.ok and r.stdout == "mine\n"  # its own folder is writable
+    assert leftovers() == before
+
+
+@pytest.mark.parametrize(
+    "name, program",
+    [
+        ("write outside", "open('/tmp/ladle_sandbox_escape', 'w').write('x')"),
+        ("remove outside", "import os\nos.remove('/tmp/ladle_sandbox_keep')"),
+        ("fork bomb", "import os\nwhile True:\n    os.fork()"),
+        ("subprocess", "import subprocess\nsubprocess.run(['touch', '/tmp/ladle_sandbox_escape'])"),
+        ("os.system", "import os\nos.system('touch /tmp/ladle_sandbox_escape')"),
+        ("ctypes", "import ctypes\nctypes.CDLL(None).system(b'touch /tmp/ladle_sandbox_escape')"),
+        ("network", "import socket\nsocket.create_connection(('127.0.0.1', PORT)).sendall(b'x')"),
+        ("sleep", "import time\ntime.sleep(60)"),
+        ("busy loop", "while True:\n    pass"),
+        ("memory", "x = bytearray(8 << 30)"),
+    ],
+)
+def test_hostile_programs_fail_closed_and_leave_no_trace(name, program, tmp_path):
+    # each fails its run (not ok), writes nothing outside its folder, leaves no process and no
+    # folder behind, and ends within its wall-clock limit
+    keep = "/tmp/ladle_sandbox_keep"
+    open(keep, "w").write("keep")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    reached = []
+
+    def accept():
+        try:
+            reached.append(listener.accept())
+        except OSError:
+            pass
+
+    waiter = threading.Thread(target=accept)
+    waiter.start()
+    before = leftovers()
+    t0 = time.perf_counter()
+    r = sandbox.run(program.replace("PORT", str(listener.getsockname()[1])), "", FAST)
+    waiter.join()
+    listener.close()
+    assert not r.ok, (name, r)
+    assert time.perf_counter() - t0 < FAST.wall_s + 2
+    assert not os.path.exists("/tmp/ladle_sandbox_escape") and open(keep).read() == "keep"
+    assert not reached  # the listener never saw a connection
+    assert leftovers() == before
+    os.remove(keep)
+
+
+def test_output_is_capped():
+    r = sandbox.run("while True:\n    print('y' * 1000)", "", sandbox.Limits(wall_s=3, output_bytes=1 << 16))
+    assert not r.ok and len(r.stdout) <= 1 << 16
+
+
+def test_the_code_reward_runs_the_cases_and_hostile_code_scores_zero():
+    rec = {"tests": [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4", "output": "6"}]}
+    code = Rewards([{"name": "code", "wall_s": 3}])
+    good = "Here:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\ndone"
+    assert code(good, rec) == (1.0, {"code": 1.0})
+    assert code("print(5)", rec)[0] == 0.0  # one case of two
+    partial = Rewards([{"name": "code", "partial": True, "wall_s": 3}])
+    assert partial("print(5)", rec)[0] == 0.5
+    asserts = {"tests": "assert f(2) == 4\nassert f(0) == 0"}
+    assert code("def f(x):\n    return 2 * x", asserts)[0] == 1.0
+    assert code("def f(x):\n    return 3 * x", asserts)[0] == 0.0
+    assert code("import os\nos.system('rm -rf /tmp/x')\ndef f(x):\n    return 2 * x", asserts)[0] == 0.0
+    assert program_of("a\n```py\nprint(1)\n```\n```python\nprint(2)\n```") == "print(2)\n"
+    with pytest.raises(Exception, match="reward 'code' .* reads the record's 'tests'"):
+        code("print(1)", {"tests": []})
+
+
+def test_rewards_score_scores_records_outside_a_run(tmp_path, capsys):
+    from ladle.cli import main
+
+    data = tmp_path / "r.jsonl"
+    rows = [
+        {"id": "a", "response": "```python\nprint(int(input()) * 2)\n```", "answer": "x", "tests": [{"input": "4", "output": "8"}]},
+        {"response": "print(0)", "answer": "print(0)", "tests": [{"input": "4", "output": "8"}]},
+    ]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["rewards", "score", "--terms", "code,exact", "--input", str(data)]) == 0
+    out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert out == [
+        {"id": "a", "reward": 1.0, "code": 1.0, "exact": 0.0},
+        {"reward": 1.0, "code": 0.0, "exact": 1.0},
+    ]
+    data.write_text(json.dumps({"answer": "1"}) + "\n")
+    assert main(["rewards", "score", "--terms", "exact", "--input", str(data)]) == 2
+    assert f"{data}:1: a record needs a `response` string" in capsys.readouterr().err
+    assert main(["rewards", "score", "--terms", "mine", "--input", str(data)]) == 2
+    assert "--terms mine: not a registered reward" in capsys.readouterr().err
+
+
+def test_a_reward_that_raises_stops_the_run_by_name_or_scores_zero(
+    chat_tokenizer, prompt_data, tmp_path, capsys
+):
+    # a user's reward that raises on some responses: named with its file and line, the step, the
+    # prompt and sample and the response's start, in the console and events.log, exit 2
+    # (on_error: stop); or scored 0 and counted (on_error: zero)
+    import yaml
+    from test_grpo import grpo_config
+
+    from ladle.cli import main
+    from ladle.train.metrics import read_metrics
+
+    file = tmp_path / "mine.py"
+    file.write_text(
+        "def picky(response, record, **context):\n    if 'e' in response:\n        raise ValueError('no e')\n    return 1.0\n"
+    )
+    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "stop")
+    cfg["rewards"] = {"file": str(file), "terms": [{"name": "picky"}]}
+    cfg["train"]["max_steps"] = 2
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "grpo", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"reward 'picky' ({file}:3) raised ValueError: no e; at step 1, train prompt" in err
+    assert "the response began '" in err
+    assert "reward 'picky'" in (tmp_path / "stop" / "events.log").read_text()
+    assert (
+        main(
+            ["run", "grpo", "--config", str(path), f"output_dir={tmp_path / 'zero'}", "rewards.on_error=zero"]
+        )
+        == 0
+    )
+    recs = [r for r in read_metrics(tmp_path / "zero") if "loss" in r]
+    assert len(recs) == 2 and all(r["reward_errors"] > 0 for r in recs)
+    events = (tmp_path / "zero" / "events.log").read_text()
+    assert events.count("scored 0 (rewards.on_error: zero)") == 3  # the first three named
