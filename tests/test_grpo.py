@@ -389,7 +389,7 @@ def test_grpo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, tmp_path
     assert main(["run", "grpo", "--config", str(path)]) == 2
     assert "grpo.num_samples=1 leaves a group of one" in capsys.readouterr().err
     cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "r")
-    cfg["rewards"] = {"terms": [{"name": "math", "field": "solution"}]}
+    cfg["rewards"] = {"terms": [{"name": "math", "field": "solution", "verify": "builtin"}]}
     path.write_text(yaml.safe_dump(cfg))
     assert main(["run", "grpo", "--config", str(path)]) == 2
     assert "prompt 0 has no field 'solution'" in capsys.readouterr().err

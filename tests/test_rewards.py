@@ -3,7 +3,10 @@ combination, a user's reward file, and the configuration errors a user can make.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import sys
 
 import pytest
 
@@ -11,6 +14,13 @@ from ladle.errors import ConfigError, DataError
 from ladle.rl.rewards import Rewards, extract_answer, math_equal, normalize_math
 
 CTX = {"prompt": "p", "response_tokens": 10}
+# math-verify is an extra (`ladle[math]`): its cases run where it is installed, and always in CI
+HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
+needs_math_verify = pytest.mark.skipif(
+    not HAS_MATH_VERIFY and not os.environ.get("LADLE_CI"),
+    reason="math-verify is not installed (ladle[math])",
+)
+VERIFIERS = ["builtin", pytest.param("math-verify", marks=needs_math_verify)]
 
 
 def one(term: dict, response: str, record: dict | None = None, **ctx) -> float:
@@ -45,8 +55,36 @@ def test_exact_and_regex():
         ("I do not know", "5", False),
     ],
 )
-def test_math(response, reference, want):
+@pytest.mark.parametrize("verify", VERIFIERS)
+def test_math(response, reference, want, verify):
+    assert one({"name": "math", "verify": verify}, response, {"answer": reference}) == float(want)
+
+
+@needs_math_verify
+@pytest.mark.parametrize(
+    "response, reference, want",
+    [
+        ("\\boxed{[1, 2)}", "[1,2)", True),  # intervals
+        ("\\boxed{(1,2]}", "[1,2)", False),
+        ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", True),  # symbolic equality
+        ("x = \\boxed{\\{1, 2\\}}", "\\{2, 1\\}", True),  # sets
+        ("so 3", "$\\frac{6}{2}$", True),  # the last number, against LaTeX
+        ("\\boxed{x^2 - 1}", "(x-1)(x+1)", True),
+        ("\\boxed{x^2 + 1}", "(x-1)(x+1)", False),
+    ],
+)
+def test_math_verify_compares_as_mathematics(response, reference, want):
+    # what the builtin comparison cannot: intervals, sets, surds, expanded polynomials
     assert one({"name": "math"}, response, {"answer": reference}) == float(want)
+
+
+def test_math_verify_missing_exits_with_the_install_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if it were not installed
+    with pytest.raises(
+        ConfigError, match=r"needs the math-verify library.*pip install 'ladle\[math\]'.*verify: builtin"
+    ):
+        Rewards([{"name": "math"}])
+    assert Rewards([{"name": "math", "verify": "builtin"}])("\\boxed{2}", {"answer": "2"}, **CTX)[0] == 1.0
 
 
 def test_math_helpers():
@@ -69,7 +107,7 @@ def test_format_and_length():
 def test_weighted_sum_and_metrics_by_key(tmp_path):
     rewards = Rewards(
         [
-            {"name": "math", "weight": 1.0},
+            {"name": "math", "weight": 1.0, "verify": "builtin"},
             {"name": "format", "weight": 0.5, "pattern": r".*\\boxed\{.*\}.*"},
             {"name": "exact", "key": "exact_id", "field": "id", "weight": 2.0},
         ]
@@ -118,10 +156,17 @@ def test_user_reward_file(tmp_path):
         ([], "name at least one reward"),
         (
             [{"name": "exactt"}],
-            "unknown reward 'exactt'; registered rewards are exact, regex, math, format, length",
+            "unknown reward 'exactt'; registered rewards are exact, regex, math, format, length, code",
         ),
         ([{"name": "regex"}], r"rewards.terms\[0\] \(regex\): needs pattern"),
-        ([{"name": "math", "feild": "x"}], "unknown option 'feild'; its options are field"),
+        (
+            [{"name": "math", "feild": "x"}],
+            "unknown option 'feild'; its options are field, verify, timeout_s",
+        ),
+        (
+            [{"name": "math", "verify": "sympy"}],
+            "reward 'math': verify 'sympy'; it is math-verify or builtin",
+        ),
         ([{"name": "exact"}, {"name": "exact"}], r"rewards.terms\[1\]: a second reward logged as 'exact'"),
         ([{"name": "format", "pattern": "("}], "is not a regular expression"),
         ([{"name": "length", "max_tokens": 10, "buffer": 20}], "0 <= buffer <= max_tokens"),
@@ -143,5 +188,5 @@ def test_a_record_without_the_field_is_named():
     with pytest.raises(
         DataError, match="reward 'math' reads the field 'answer', which a prompt record lacks"
     ):
-        Rewards([{"name": "math"}])("1", {"question": "q"}, **CTX)
+        Rewards([{"name": "math", "verify": "builtin"}])("1", {"question": "q"}, **CTX)
     assert math.isclose(Rewards([{"name": "exact", "weight": -1}])("a", {"answer": "a"}, **CTX)[0], -1.0)

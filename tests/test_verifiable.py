@@ -155,3 +155,31 @@ def test_a_reward_that_raises_stops_the_run_by_name_or_scores_zero(
     assert len(recs) == 2 and all(r["reward_errors"] > 0 for r in recs)
     events = (tmp_path / "zero" / "events.log").read_text()
     assert events.count("scored 0 (rewards.on_error: zero)") == 3  # the first three named
+
+
+def test_rollout_logs_hold_the_episodes_as_trained(chat_tokenizer, prompt_data, tmp_path):
+    # grpo.log_rollouts: 3 episodes a batch in rollouts.jsonl, each with its messages, its token
+    # ids (prompt + response, as the rows are built), the loss mask over the response alone, and
+    # its rewards by term summing (with the weights) to its reward; `ladle report` shows them
+    from test_grpo import grpo_config
+
+    from ladle.config.load import build_config
+    from ladle.data.tokenizer import load_tokenizer
+    from ladle.ops.report import report
+    from ladle.recipes import load
+
+    cfg = grpo_config(chat_tokenizer, prompt_data, tmp_path / "run", log_rollouts=3)
+    cfg["train"]["max_steps"] = 2
+    assert load("grpo").run(build_config(cfg)) == "completed"
+    episodes = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in episodes] == [1, 1, 1, 2, 2, 2]
+    tok = load_tokenizer(str(chat_tokenizer))
+    weights = {t.get("key", t["name"]): t.get("weight", 1.0) for t in cfg["rewards"]["terms"]}
+    for e in episodes:
+        n_prompt = e["mask"].index(1) if 1 in e["mask"] else len(e["mask"])
+        assert len(e["mask"]) == len(e["tokens"]) and set(e["mask"][n_prompt:]) <= {1}
+        assert e["messages"][-1]["role"] == "assistant" and e["turns"] == 1 and e["tool_calls"] == []
+        response = [t for t in e["tokens"][n_prompt:] if tok.decode([t]) not in ("<|im_end|>", "</s>")]
+        assert tok.decode(response).strip() == e["messages"][-1]["content"].strip()
+        assert e["reward"] == pytest.approx(sum(weights[k] * v for k, v in e["rewards"].items()))
+    assert "<h2>Rollouts</h2>" in report(tmp_path / "run").read_text()

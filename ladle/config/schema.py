@@ -666,6 +666,11 @@ class RolloutConfig(Section):
         description="the ratio per `token`, or per response (`sequence`: the product over its tokens)",
     )
     rollout_correction_cap: float = Field(2.0, gt=1, description="the cap of `rollout_correction` (above 1)")
+    log_rollouts: int = Field(
+        0,
+        ge=0,
+        description="write this many sampled episodes a rollout batch to `rollouts.jsonl` in the run directory (rank 0's first): step, messages, the token ids as trained, the loss mask, each reward term; `ladle report` shows the last few",
+    )
 
 
 class GRPOConfig(RolloutConfig):

@@ -198,12 +198,33 @@ def report(run_dir: str | Path, output: str | Path | None = None) -> Path:
         f"<p>{html.escape(str(run.dir.resolve()))}: recipe {html.escape(str(run.card.get('recipe', '?')))}</p>",
         "<h2>Summary</h2>", summary,
         "<h2>Plots</h2>", "".join(_img(p) for p in pngs),
+        *_rollouts(run),
         "<h2>Run card</h2>", f"<pre>{html.escape(json.dumps(run.card, indent=2, default=str), quote=False)}</pre>",
         "<h2>Config</h2>", f"<pre>{html.escape(yaml.safe_dump(run.config, sort_keys=False), quote=False)}</pre>",
     ]  # fmt: skip
     index = out / "index.html"
     index.write_text(page(f"ladle run {run.name}", "\n".join(body)))
     return index
+
+
+def _rollouts(run: Run, last: int = 3) -> list[str]:
+    """The last few episodes of an RL run's rollouts.jsonl (`log_rollouts`): step, rewards, turns."""
+    path = run.dir / "rollouts.jsonl"
+    if not path.is_file():
+        return []
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()][-last:]
+    out = ["<h2>Rollouts</h2>", f"<p>the last {len(lines)} of {html.escape(str(path))}</p>"]
+    for ln in lines:
+        e = json.loads(ln)
+        terms = ", ".join(
+            f"{k} {v:.3g}" for k, v in e.get("rewards", {}).items() if isinstance(v, (int, float))
+        )
+        head = f"step {e.get('step')}, prompt {e.get('prompt_index')} sample {e.get('sample')}: reward {e.get('reward', 0):.3g}"
+        turns = "\n".join(f"[{m.get('role')}] {m.get('content')}" for m in e.get("messages", []))
+        out.append(
+            f"<h3>{html.escape(head)}</h3><p>{html.escape(terms)}</p><pre>{html.escape(turns, quote=False)}</pre>"
+        )
+    return out
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

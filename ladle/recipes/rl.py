@@ -6,6 +6,7 @@ models, its advantage)."""
 
 from __future__ import annotations
 
+from ladle import distributed as dist
 from ladle.config import LadleConfig
 from ladle.data.prompts import PromptSamples, PromptSplit
 from ladle.errors import ConfigError
@@ -151,5 +152,6 @@ def rollout_loader(
         reward_model=reward_model,
         reward_weight=s.cfg.rewards.model_weight,
         log=lambda msg, level="info": s.run.events(msg, level=level),
+        rollouts_log=s.run.dir / "rollouts.jsonl" if section.log_rollouts and dist.is_main() else None,
         **kw,
     )

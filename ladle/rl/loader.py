@@ -17,6 +17,7 @@ of the last rollout, over every rank.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -121,6 +122,7 @@ class RolloutLoader:
         trained: tuple[str, ...] = (),
         keeps: dict | None = None,
         log: Callable[..., None] = lambda msg, level="info": None,
+        rollouts_log=None,
     ):
         self.inner, self.section, self.engine, self.tok = inner, section, engine, tokenizer
         self.rewards, self.records, self.unit, self.seed = rewards, records, unit, seed
@@ -137,6 +139,8 @@ class RolloutLoader:
             expected = lambda: self.metrics.get("response_len_mean", cap)  # noqa: E731
             self.inner = Dealt(inner, group=self.group, samples=section.num_samples, expected=expected)
         self.log, self.named = log, 0  # the run's events.log; reward failures named so far
+        # rank 0: rollouts.jsonl, `section.log_rollouts` episodes a batch (`logged`: this batch's)
+        self.rollouts_log, self.logged = rollouts_log, []
         self.keeps = keeps or {}  # state that carries over batches (PPO's reward moments): checkpointed
         self.sampling = sampling_of(section)
         self.end_ids = end_ids(tokenizer)
@@ -219,6 +223,10 @@ class RolloutLoader:
             batch = self.forward(r, rew, live, diffs)
             out.append(batch)
         self.parking.park("reference")
+        if self.logged:  # rank 0's episodes of this batch
+            with open(self.rollouts_log, "a") as f:
+                f.writelines(json.dumps(e) + "\n" for e in self.logged)
+            self.logged = []
         extra.update(self.estimate(out))
         gen_s = time.perf_counter() - t0
         self.metrics = {**self._reduce(parts, max(diffs) if diffs else None, gen_s), **extra}
@@ -282,7 +290,31 @@ class RolloutLoader:
             terms["model"] = score.tolist()
             rew = rew + self.reward_weight * score
             self.parking.park("reward")
-        return rew, {"reward": rew.tolist(), **{f"reward_{k}": v for k, v in terms.items()}}
+        out = {"reward": rew.tolist(), **{f"reward_{k}": v for k, v in terms.items()}}
+        if split == "train" and self.rollouts_log is not None:
+            self.episodes(r, records, out, step)
+        return rew, out
+
+    def episodes(self, r, records: list[dict], values: dict, step: int) -> None:
+        """The first rows of the batch (up to `log_rollouts`) as episodes for rollouts.jsonl."""
+        for k in range(min(self.section.log_rollouts - len(self.logged), len(r))):
+            prompt = records[r.prompt_index[k]].get("prompt", "")
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            text = self.tok.decode([t for t in r.response_ids[k] if t not in self.end_ids])
+            self.logged.append(
+                {
+                    "step": step * self.reuse + 1,  # the first optimizer step that trains on it
+                    "prompt_index": r.prompt_index[k],
+                    "sample": r.sample_index[k],
+                    "messages": [*messages, {"role": "assistant", "content": text}],
+                    "tokens": [*r.prompt_ids[k], *r.response_ids[k]],
+                    "mask": [0] * len(r.prompt_ids[k]) + [1] * len(r.response_ids[k]),
+                    "reward": values["reward"][k],
+                    "rewards": {key[7:]: v[k] for key, v in values.items() if key.startswith("reward_")},
+                    "turns": 1,
+                    "tool_calls": [],
+                }
+            )
 
     def forward(self, r, rew: torch.Tensor, live: bool, diffs: list[float]) -> dict:
         """A training microbatch of rollouts with its forward-only scores: the sampling policy's

@@ -188,15 +188,42 @@ def math_equal(prediction: str, reference: str) -> bool:
     return a == b
 
 
-def math_reward(field: str = "answer"):
-    """1.0 if the response's final answer (`extract_answer`) equals the record's `field` (its own
-    final answer, for a worked GSM8K solution) as a number or a normalised expression."""
+MATH_INSTALL = "pip install 'ladle[math]' (in a clone of ladle: make setup-extras)"
 
-    def reward(response: str, record: dict, **_) -> float:
-        return float(
-            math_equal(extract_answer(response), reference_answer(_reference(record, field, "math")))
-        )
 
+def math_reward(field: str = "answer", verify: str = "math-verify", timeout_s: int = 5):
+    """1.0 if the response's final answer equals the record's `field` (its own final answer, for a
+    worked GSM8K solution) as mathematics. `verify: math-verify` (the extra `ladle[math]`): the
+    field's library parses both (LaTeX, fractions, decimals, sets, intervals, its last
+    `\\boxed{}` first) and compares them symbolically, `timeout_s` a parse and a check;
+    `builtin`: `extract_answer` against the reference as a number to 1e-6 or normalised text."""
+    if verify == "builtin":
+
+        def reward(response: str, record: dict, **_) -> float:
+            return float(
+                math_equal(extract_answer(response), reference_answer(_reference(record, field, "math")))
+            )
+
+    elif verify == "math-verify":
+        try:
+            import math_verify
+        except ImportError as e:
+            raise ConfigError(
+                f"reward 'math' with verify: math-verify needs the math-verify library, which is not installed "
+                f"here ({e}); {MATH_INSTALL}, or set verify: builtin"
+            ) from None
+
+        def reward(response: str, record: dict, **_) -> float:
+            ref = reference_answer(_reference(record, field, "math"))
+            # the reference's answer read as LaTeX (a bare `2\sqrt{2}` is no expression to its parser)
+            gold = math_verify.parse(f"\\boxed{{{ref}}}", parsing_timeout=timeout_s)
+            if not gold:  # a reference it cannot read: compared as the builtin would
+                return float(math_equal(extract_answer(response), ref))
+            found = math_verify.parse(response, parsing_timeout=timeout_s)
+            return float(bool(found) and math_verify.verify(gold, found, timeout_seconds=timeout_s))
+
+    else:
+        raise ConfigError(f"reward 'math': verify {verify!r}; it is math-verify or builtin")
     reward.fields = (field,)
     return reward
 
