@@ -183,3 +183,22 @@ def test_rollout_logs_hold_the_episodes_as_trained(chat_tokenizer, prompt_data, 
         assert tok.decode(response).strip() == e["messages"][-1]["content"].strip()
         assert e["reward"] == pytest.approx(sum(weights[k] * v for k, v in e["rewards"].items()))
     assert "<h2>Rollouts</h2>" in report(tmp_path / "run").read_text()
+
+
+def test_a_batch_of_code_responses_runs_its_cases_in_one_pool(monkeypatch):
+    # Rewards.score hands the `code` term every row at once: one pool map over all their cases;
+    # a record without tests fails its own row (on_error: zero scores it 0), not the batch's
+    calls = []
+    real = sandbox.Pool.map
+
+    def spy(self, jobs, limits=sandbox.Limits()):
+        calls.append(len(jobs))
+        return real(self, jobs, limits)
+
+    monkeypatch.setattr(sandbox.Pool, "map", spy)
+    rec = {"tests": [{"input": "1", "output": "2"}, {"input": "5", "output": "10"}]}
+    rows = [(f"print(int(input()) * {m})", rec, {}) for m in (2, 3, 2)] + [("print(1)", {"tests": None}, {})]
+    scored = Rewards([{"name": "code", "wall_s": 3}], on_error="zero").score(rows)
+    assert calls == [6] and [s[0] for s in scored] == [1.0, 0.0, 1.0, 0.0]
+    assert [s[2] is None for s in scored] == [True, True, True, False]
+    assert "reads the record's 'tests'" in scored[3][2]

@@ -253,24 +253,28 @@ class RolloutLoader:
         prompt_text = {i: self.tok.decode(p) for i, p in zip(index, prompts, strict=True)}
         records = self.records[split]
         rewards, terms, failed, errors = [], {}, None, []
-        for i, s, resp in zip(r.prompt_index, r.sample_index, r.response_ids, strict=True):
-            text = self.tok.decode([t for t in resp if t not in self.end_ids])
-            at = f"step {step + 1}{' (validation)' if split == 'val' else ''}, {split} prompt {i} sample {s}"
-            before = self.rewards.errors
-            try:
-                total, each = self.rewards(text, records[i], prompt=prompt_text[i], response_tokens=len(resp))
-            except RewardError as e:
-                failed = f"{e}; at {at}; the response began {text[:120]!r}"
-                break
-            errors.append(self.rewards.errors - before)
-            if errors[-1] and self.named < 3:  # rewards.on_error: zero; the first cases named
+        texts = [self.tok.decode([t for t in resp if t not in self.end_ids]) for resp in r.response_ids]
+        rows = [
+            (text, records[i], {"prompt": prompt_text[i], "response_tokens": len(resp)})
+            for text, i, resp in zip(texts, r.prompt_index, r.response_ids, strict=True)
+        ]
+
+        def at(k: int) -> str:
+            where = f"step {step + 1}{' (validation)' if split == 'val' else ''}"
+            return f"{where}, {split} prompt {r.prompt_index[k]} sample {r.sample_index[k]}"
+
+        try:
+            scored = self.rewards.score(rows)
+        except RewardError as e:
+            scored, failed = [], f"{e}; at {at(e.row)}; the response began {texts[e.row][:120]!r}"
+        for k, (total, each, why) in enumerate(scored):
+            errors.append(int(why is not None))
+            if why is not None and self.named < 3:  # rewards.on_error: zero; the first cases named
                 self.named += 1
-                self.log(
-                    f"{self.rewards.last_failure}; at {at}: scored 0 (rewards.on_error: zero)", "warning"
-                )
+                self.log(f"{why}; at {at(k)}: scored 0 (rewards.on_error: zero)", "warning")
             rewards.append(total)
-            for k, v in each.items():
-                terms.setdefault(k, []).append(v)
+            for key, v in each.items():
+                terms.setdefault(key, []).append(v)
         # every rank stops when one's reward raised (the next collective would wait for it)
         if dist.any_rank(failed is not None, self.device, self.group):
             failed = failed or "a reward raised on another rank (its message is in events.log)"

@@ -297,8 +297,8 @@ def code_reward(
 
     limits = sandbox.Limits(wall_s=wall_s, cpu_s=cpu_s, memory_bytes=memory_mb << 20)
 
-    def reward(response: str, record: dict, **_) -> float:
-        global _POOL
+    def cases(response: str, record: dict) -> tuple[list[tuple[str, str]], list[str | None]]:
+        """(program, stdin) runs and the stdout each must print (None: an assert-style run)."""
         tests = record.get(field)
         if not tests or not isinstance(tests, (list, str)):
             raise DataError(
@@ -307,18 +307,39 @@ def code_reward(
             )
         program = program_of(response)
         if isinstance(tests, str):
-            jobs, wants = [(program + "\n\n" + tests + "\n", "")], [None]
-        else:
-            jobs = [(program, str(c.get("input", ""))) for c in tests]
-            wants = [str(c.get("output", "")) for c in tests]
+            return [(program + "\n\n" + tests + "\n", "")], [None]
+        return [(program, str(c.get("input", ""))) for c in tests], [str(c.get("output", "")) for c in tests]
+
+    def many(rows: list) -> list:
+        """Every row's value (or the exception its record raised): all their cases in one pool."""
+        global _POOL
+        out, jobs, spans = [None] * len(rows), [], []
+        for k, (response, record, _) in enumerate(rows):
+            try:
+                runs, wants = cases(response, record)
+            except DataError as e:
+                out[k] = e
+                continue
+            spans.append((k, len(jobs), wants))
+            jobs += runs
         _POOL = _POOL or sandbox.Pool()
         results = _POOL.map(jobs, limits)
-        passed = [
-            r.ok and (w is None or _same_output(r.stdout, w)) for r, w in zip(results, wants, strict=True)
-        ]
-        return sum(passed) / len(passed) if partial else float(all(passed))
+        for k, start, wants in spans:
+            got = results[start : start + len(wants)]
+            passed = [
+                r.ok and (w is None or _same_output(r.stdout, w)) for r, w in zip(got, wants, strict=True)
+            ]
+            out[k] = sum(passed) / len(passed) if partial else float(all(passed))
+        return out
+
+    def reward(response: str, record: dict, **_) -> float:
+        (value,) = many([(response, record, {})])
+        if isinstance(value, Exception):
+            raise value
+        return value
 
     reward.fields = (field,)
+    reward.many = many  # a batch's cases run side by side (Rewards.score)
     return reward
 
 
@@ -350,7 +371,12 @@ def load_reward_file(path: str | os.PathLike):
 
 
 class RewardError(DataError):
-    """A reward term raised: the message names it, where it raised and what."""
+    """A reward term raised: the message names it, where it raised and what; `row`: which of
+    the rows scored together."""
+
+    def __init__(self, message: str, row: int = 0):
+        super().__init__(message)
+        self.row = row
 
 
 def describe_failure(key: str, fn: Callable, e: Exception) -> str:
@@ -371,6 +397,7 @@ class Rewards:
     terms: dicts {name, weight (1.0), key (the name), and the reward's own options}; `name` is a
     registered reward or a function of `file`. `on_error`: a term that raises is a `RewardError`
     (`stop`) or scores 0 (`zero`), counted in `errors` (the last one's message: `last_failure`).
+    `score` takes a batch of rows at once.
     """
 
     def __init__(
@@ -451,23 +478,48 @@ class Rewards:
 
     def __call__(self, response: str, record: dict, **context) -> tuple[float, dict[str, float]]:
         """(the weighted total, each term's value by key) of one response."""
-        parts = {}
+        total, parts, _ = self.score([(response, record, context)])[0]
+        return total, parts
+
+    def score(self, rows: list[tuple[str, dict, dict]]) -> list[tuple[float, dict[str, float], str | None]]:
+        """(the weighted total, each term's value by key, the failure scored 0 or None) of each
+        (response, record, context) row. A term with a `many` scores every row at once (the
+        `code` reward: all their cases side by side); a term that raises on a row is a
+        `RewardError` naming it (`on_error: stop`) or 0 for that row (`zero`)."""
+        values = {}
         for key, _, fn in self.terms:
-            try:
-                value = fn(response, record, **context)
-            except Exception as e:
-                why = describe_failure(key, fn, e)
-                if self.on_error == "stop":
-                    raise RewardError(why) from e
-                self.errors, self.last_failure = self.errors + 1, why
-                value = 0.0
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                value = math.nan
-            if not math.isfinite(value):
-                raise DataError(
-                    f"reward {key!r} returned {value!r} (a finite number expected) for the record {record!r:.200}"
-                )
-            parts[key] = value
-        return sum(w * parts[k] for k, w, _ in self.terms), parts
+            if hasattr(fn, "many"):
+                try:
+                    values[key] = fn.many(rows)
+                except Exception as e:
+                    values[key] = [e] * len(rows)
+                continue
+            got = []
+            for response, record, context in rows:
+                try:
+                    got.append(fn(response, record, **context))
+                except Exception as e:
+                    got.append(e)
+            values[key] = got
+        out = []
+        for k, (_, record, _) in enumerate(rows):
+            parts, failed = {}, None
+            for key, _, fn in self.terms:
+                value = values[key][k]
+                if isinstance(value, Exception):
+                    why = describe_failure(key, fn, value)
+                    if self.on_error == "stop":
+                        raise RewardError(why, row=k) from value
+                    self.errors, self.last_failure, failed = self.errors + 1, why, why
+                    value = 0.0
+                try:
+                    value = float(value)
+                except (TypeError, ValueError):
+                    value = math.nan
+                if not math.isfinite(value):
+                    raise DataError(
+                        f"reward {key!r} returned {value!r} (a finite number expected) for the record {record!r:.200}"
+                    )
+                parts[key] = value
+            out.append((sum(w * parts[j] for j, w, _ in self.terms), parts, failed))
+        return out
