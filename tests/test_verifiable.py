@@ -202,3 +202,29 @@ def test_a_batch_of_code_responses_runs_its_cases_in_one_pool(monkeypatch):
     assert calls == [6] and [s[0] for s in scored] == [1.0, 0.0, 1.0, 0.0]
     assert [s[2] is None for s in scored] == [True, True, True, False]
     assert "reads the record's 'tests'" in scored[3][2]
+
+
+def test_a_code_reward_on_records_without_tests_is_refused_with_file_and_line(
+    chat_tokenizer, tmp_path, capsys
+):
+    import yaml
+    from test_grpo import grpo_config
+
+    from ladle.cli import main
+    from ladle.data.prompts import prepare_prompts
+
+    with (tmp_path / "p.jsonl").open("w") as f:
+        for i in range(12):
+            tests = [] if i == 7 else [{"input": "", "output": str(i)}]
+            f.write(json.dumps({"prompt": f"Print {i}", "tests": tests}) + "\n")
+    prepare_prompts(
+        [tmp_path / "p.jsonl"], tokenizer=chat_tokenizer, output=tmp_path / "data", progress=False
+    )
+    cfg = grpo_config(chat_tokenizer, tmp_path / "data", tmp_path / "run")
+    cfg["rewards"] = {"terms": [{"name": "code"}]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "grpo", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "reward 'code' reads the record's 'tests'" in err
+    assert "train_records.jsonl:8 (train prompt 7): reward 'code'" in err  # the record with tests: []

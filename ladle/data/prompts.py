@@ -171,6 +171,7 @@ class PromptSplit:
         self._index = [(k, j) for k, d in enumerate(self.tokens) for j in range(len(d))]
         self.lengths = np.concatenate([d.sequence_lengths for d in self.tokens] or [[]]).astype(np.int64)
         path = root / info["records"]
+        self.records_path = path  # its records, line i + 1 for prompt i
         self.records, where = [], str(path)
         try:
             with path.open(encoding="utf-8") as f:

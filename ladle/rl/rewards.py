@@ -340,6 +340,7 @@ def code_reward(
 
     reward.fields = (field,)
     reward.many = many  # a batch's cases run side by side (Rewards.score)
+    reward.check = lambda record: cases("", record)  # before launch: every record's tests
     return reward
 
 

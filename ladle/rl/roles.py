@@ -98,8 +98,10 @@ def load_rewards(cfg: LadleConfig) -> tuple[Rewards, dict[str, list[dict]]]:
         model=cfg.rewards.model is not None,
         on_error=cfg.rewards.on_error,
     )
-    records = {split: PromptSplit(cfg.data.path, split).records for split in ("train", "val")}
+    splits = {split: PromptSplit(cfg.data.path, split) for split in ("train", "val")}
+    records = {split: data.records for split, data in splits.items()}
     need = rewards.fields
+    checks = [fn.check for _, _, fn in rewards.terms if hasattr(fn, "check")]  # a record's fields' shape
     for split, recs in records.items():
         for i, rec in enumerate(recs):
             missing = sorted(need - set(rec))
@@ -108,6 +110,13 @@ def load_rewards(cfg: LadleConfig) -> tuple[Rewards, dict[str, list[dict]]]:
                     f"{cfg.data.path}: {split} prompt {i} has no field {missing[0]!r}, which rewards.terms "
                     f"read; prepare prompts whose records hold {', '.join(sorted(need))}"
                 )
+            for check in checks:
+                try:
+                    check(rec)
+                except DataError as e:
+                    raise DataError(
+                        f"{splits[split].records_path}:{i + 1} ({split} prompt {i}): {e}"
+                    ) from None
     return rewards, records
 
 
