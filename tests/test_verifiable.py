@@ -38,6 +38,22 @@ def test_a_program_runs_with_its_input_and_leaves_nothing():
         ("os.system", "import os\nos.system('touch /tmp/ladle_sandbox_escape')"),
         ("ctypes", "import ctypes\nctypes.CDLL(None).system(b'touch /tmp/ladle_sandbox_escape')"),
         ("network", "import socket\nsocket.create_connection(('127.0.0.1', PORT)).sendall(b'x')"),
+        ("relative path out", "open('../../tmp/ladle_sandbox_escape', 'w').write('x')"),
+        (
+            "patched path check",
+            "import os.path\nos.path.realpath = lambda p: '.'\nopen('/tmp/ladle_sandbox_escape', 'w')",
+        ),
+        ("frames", "import sys\nsys._getframe(0).f_globals.clear()\nopen('/tmp/ladle_sandbox_escape', 'w')"),
+        (
+            "garbage collector",
+            "import gc\n[o for o in gc.get_objects() if callable(o)]\nopen('/tmp/ladle_sandbox_escape', 'w')",
+        ),
+        (
+            "traceback's frames",
+            "try:\n    open('/tmp/x', 'w')\nexcept PermissionError as e:\n    tb = e.__traceback__\n"
+            "    while tb:\n        tb.tb_frame.f_globals.clear()\n        tb = tb.tb_next\n"
+            "open('/tmp/ladle_sandbox_escape', 'w')",
+        ),
         ("sleep", "import time\ntime.sleep(60)"),
         ("busy loop", "while True:\n    pass"),
         ("memory", "x = bytearray(8 << 30)"),

@@ -7,15 +7,18 @@ Each run is a separate Python process (`python -I`, no user site or environment)
 that one layer's gap is another's wall:
 
 - its own session and process group, killed whole at the end (SIGKILL), whatever it started;
-- a network namespace of its own where the kernel allows one (root: `unshare(CLONE_NEWNET)`,
-  else with a user namespace): no interface but a loopback that is down;
+- a mount and a network namespace of its own where the kernel allows them (as root, else with
+  a user namespace): every mount read-only but its folder (the kernel refuses a write anywhere
+  else, whatever the program does to Python), and no interface but a loopback that is down;
 - as root, the run drops to the `nobody` user (no file of the host is its to write);
 - resource limits: CPU seconds, address space, file size (stdout and stderr go to files in its
   folder, so the size limit caps the output), open files, processes;
 - a private temporary folder as its working and home directory, removed at the end;
 - an audit hook (PEP 578) installed before the program runs, which refuses forks, exec, new
-  processes, sockets, ctypes and other native loaders, and any write, removal or rename
-  outside the folder;
+  processes, sockets, ctypes and other native loaders, any write, removal or rename outside
+  the folder, and the ways to it (frames, the garbage collector, tracing, a function's code);
+  it reads nothing at call time the program could change, and the program runs in a fresh
+  `__main__` module;
 - a wall-clock limit, after which the whole group is killed.
 
 `run(code, stdin, limits)` -> a `Result` (exit status, stdout, stderr, timed out or not).
@@ -34,48 +37,83 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-# Runs first in the sandboxed interpreter: the audit hook, then the program (argv[1]) as __main__.
+# Runs first in the sandboxed interpreter: the audit hook, then the program (argv[1]) as a fresh
+# __main__ module. The hook reads nothing at call time that the program could change (no global,
+# no module function, no builtin by name: all bound when it is made), and the events that would
+# reach it (frames, the garbage collector, tracing, a function's code) are refused too.
 DRIVER = r"""
-import os, sys
-ROOT = os.path.realpath(os.getcwd())
-DENY = {
-    "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill",
-    "os.killpg", "os.setsid", "subprocess.Popen", "pty.spawn", "socket.__new__", "socket.bind",
-    "socket.connect", "socket.getaddrinfo", "socket.sendto", "ctypes.dlopen", "ctypes.dlsym",
-    "ctypes.cdata", "ctypes.call_function", "ctypes.addressof", "mmap.__new__", "sys.addaudithook",
-    "os.chroot", "os.putenv", "os.unsetenv", "resource.setrlimit", "resource.prlimit",
-}
-WRITES = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
-          "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
-NATIVE = ("ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "_socket", "socket",
-          "multiprocessing", "_multiprocessing", "signal", "_signal", "resource", "mmap")
+import os, sys, types
 
-def inside(path):
-    try:
-        p = os.path.realpath(os.fsdecode(path))
-    except (TypeError, ValueError):
-        return False
-    return p == ROOT or p.startswith(ROOT + os.sep)
+def make_hook(root, deny, writes, native, introspect, frozen_attrs, sep=os.sep, cwd=os.getcwd(),
+              fsdecode=os.fsdecode, fspath=os.fspath, isinstance=isinstance, str=str, int=int, len=len,
+              PermissionError=PermissionError, pathlike=(str, bytes, os.PathLike), flags_w=os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+    def normal(path):
+        # the absolute path by string operations alone ('..' and '.' folded); no symlink can lead
+        # out of the private folder (making one that points out is refused)
+        p = fsdecode(fspath(path))
+        if not p.startswith(sep):
+            p = cwd + sep + p
+        out = []
+        for part in p.split(sep):
+            if part == "..":
+                if out:
+                    out.pop()
+            elif part and part != ".":
+                out.append(part)
+        return sep + sep.join(out)
 
-def hook(event, args):
-    if event in DENY:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "import" and args and str(args[0]).split(".")[0] in NATIVE:
-        raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
-    if event == "open" and len(args) > 1:
-        path, mode, flags = args[0], args[1], args[2] if len(args) > 2 else 0
-        writes = (mode and any(c in str(mode) for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-        if writes and not isinstance(path, int) and not inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} is not allowed")
-    if event in WRITES and args and not all(inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
-        raise PermissionError(f"sandbox: {event} outside the sandbox is not allowed")
+    def inside(path):
+        try:
+            p = normal(path)
+        except (TypeError, ValueError):
+            return False
+        return p == root or p.startswith(root + sep)
 
+    def hook(event, args):
+        if event in deny or event in introspect:
+            raise PermissionError("sandbox: " + event + " is not allowed")
+        if event == "object.__setattr__" and len(args) > 1 and args[1] in frozen_attrs:
+            raise PermissionError("sandbox: setting " + str(args[1]) + " is not allowed")
+        if event == "import" and args and str(args[0]).split(".")[0] in native:
+            raise PermissionError("sandbox: importing " + str(args[0]) + " is not allowed")
+        if event == "open" and len(args) > 1:
+            path, mode = args[0], args[1]
+            flags = args[2] if len(args) > 2 else 0
+            w = (mode and any(c in str(mode) for c in "wax+")) or (isinstance(flags, int) and flags & flags_w)
+            if w and not isinstance(path, int) and not inside(path):
+                raise PermissionError("sandbox: writing outside the sandbox is not allowed")
+        if event in writes:
+            for a in args[:2]:
+                if isinstance(a, pathlike) and not inside(a):
+                    raise PermissionError("sandbox: " + event + " outside the sandbox is not allowed")
+    return hook
+
+hook = make_hook(
+    os.getcwd(),
+    frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill",
+               "os.killpg", "os.setsid", "subprocess.Popen", "pty.spawn", "socket.__new__", "socket.bind",
+               "socket.connect", "socket.getaddrinfo", "socket.sendto", "ctypes.dlopen", "ctypes.dlsym",
+               "ctypes.cdata", "ctypes.call_function", "ctypes.addressof", "mmap.__new__", "sys.addaudithook",
+               "os.chroot", "os.putenv", "os.unsetenv", "resource.setrlimit", "resource.prlimit"}),
+    frozenset({"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
+               "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile",
+               "shutil.copytree", "os.chdir"}),
+    frozenset({"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "_socket", "socket",
+               "multiprocessing", "_multiprocessing", "signal", "_signal", "resource", "mmap", "_xxsubinterpreters"}),
+    frozenset({"sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile", "sys._getframemodulename",
+               "gc.get_objects", "gc.get_referrers", "gc.get_referents", "code.__new__", "function.__new__",
+               "object.__delattr__", "cpython.PyInterpreterState_Clear"}),
+    frozenset({"__code__", "__defaults__", "__kwdefaults__", "__globals__", "__closure__", "__builtins__"}),
+)
 with open(sys.argv[1]) as f:
-    source = f.read()
-code = compile(source, "<program>", "exec")
-sys.argv = ["<program>"]
+    code = compile(f.read(), "<program>", "exec")
+main = types.ModuleType("__main__")  # the program's own module: this driver is not reachable by name
+main.__builtins__ = __builtins__
+sys.modules["__main__"], sys.argv = main, ["<program>"]
+del make_hook, f
 sys.addaudithook(hook)
-exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+del hook
+exec(code, main.__dict__)
 """
 
 # Runs first in the child (a fresh interpreter, no threads): the limits, a network namespace of
@@ -85,7 +123,18 @@ import ctypes, os, resource, sys
 cpu, memory, output, processes, drop = (int(x) for x in sys.argv[1:6])
 libc = ctypes.CDLL(None, use_errno=True)
 root = os.geteuid() == 0
-libc.unshare(0x40000000 if root else 0x10000000 | 0x40000000)  # no namespace: the hook still refuses sockets
+# a mount and a network namespace of its own (with a user namespace where not root); where the
+# kernel refuses them, the hook still refuses sockets and writes outside the folder
+if libc.unshare((0 if root else 0x10000000) | 0x00020000 | 0x40000000) == 0:
+    here = os.getcwd().encode()
+    RDONLY, REMOUNT, BIND, REC, PRIVATE = 1, 32, 4096, 16384, 1 << 18
+    libc.mount(None, b"/", None, REC | PRIVATE, None)  # nothing of this propagates back
+    if libc.mount(here, here, None, BIND, None) == 0:  # the folder stays writable, every other mount read-only
+        for line in open("/proc/self/mountinfo"):
+            point = line.split()[4].encode().decode("unicode_escape").encode()
+            if point != here:
+                libc.mount(None, point, None, REMOUNT | BIND | RDONLY, None)
+        os.chdir(here)  # through the new mount (the old working directory is the read-only one)
 for what, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, output),
                     (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(what, (value, value))
