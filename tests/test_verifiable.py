@@ -109,7 +109,7 @@ def test_the_code_reward_runs_the_cases_and_hostile_code_scores_zero():
     assert code("def f(x):\n    return 3 * x", asserts)[0] == 0.0
     assert code("import os\nos.system('rm -rf /tmp/x')\ndef f(x):\n    return 2 * x", asserts)[0] == 0.0
     assert program_of("a\n```py\nprint(1)\n```\n```python\nprint(2)\n```") == "print(2)\n"
-    with pytest.raises(Exception, match="reward 'code' .* reads the record's 'tests'"):
+    with pytest.raises(Exception, match="reward 'code' reads the record's 'tests'"):
         code("print(1)", {"tests": []})
 
 

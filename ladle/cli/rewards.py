@@ -32,6 +32,7 @@ def cmd_rewards_score(args) -> int:
             )
     rewards = Rewards(terms, file)
     counts = any(t["name"] == "length" for t in terms)
+    rows, lines = [], []  # (response, record, context) and where each came from
     with open(args.input) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -60,14 +61,30 @@ def cmd_rewards_score(args) -> int:
                 )
             else:
                 context["response_tokens"] = 0
-            try:
-                total, parts = rewards(response, record, **context)
-            except DataError as e:
-                raise DataError(f"{where}: {e}") from None
-            out = {"id": record["id"]} if "id" in record else {}
-            print(json.dumps({**out, "reward": total, **parts}))
-    sys.stdout.flush()
+            rows.append((response, record, context))
+            lines.append(where)
+            if len(rows) == BATCH:
+                emit(rewards, rows, lines)
+                rows, lines = [], []
+    emit(rewards, rows, lines)
     return 0
+
+
+BATCH = 256  # records scored together (the code term runs all their cases side by side)
+
+
+def emit(rewards, rows: list, lines: list[str]) -> None:
+    """Score `rows` together and print a JSON line each; a term that raises names its record's line."""
+    from ladle.rl.rewards import RewardError
+
+    try:
+        scored = rewards.score(rows)
+    except RewardError as e:
+        raise DataError(f"{lines[e.row]}: {e}") from None
+    for (_, record, _), (total, parts, _) in zip(rows, scored, strict=True):
+        out = {"id": record["id"]} if "id" in record else {}
+        print(json.dumps({**out, "reward": total, **parts}))
+    sys.stdout.flush()
 
 
 def _rewards_parser(sub, recipes) -> None:

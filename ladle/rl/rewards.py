@@ -382,9 +382,11 @@ class RewardError(DataError):
 
 def describe_failure(key: str, fn: Callable, e: Exception) -> str:
     """'reward KEY (FILE:LINE) raised TYPE: MESSAGE', the line the deepest of the term's own file
-    (else where it raised)."""
+    (else where it raised); a DataError's message as it is (it names the reward and the field)."""
     import traceback
 
+    if isinstance(e, DataError):  # a registered reward's own message (a record without its field)
+        return str(e)
     frames = traceback.extract_tb(e.__traceback__)
     own = getattr(getattr(fn, "__code__", None), "co_filename", None)
     at = next((f for f in reversed(frames) if f.filename == own), frames[-1] if frames else None)
