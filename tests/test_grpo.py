@@ -455,6 +455,7 @@ def test_grpo_resume_equals_an_uninterrupted_run(chat_tokenizer, prompt_data, tm
 
 REAL = {  # (recipe, world, layout)
     "rl/qwen2.5-1.5b-grpo-math-1dev": ("grpo", 1, "one process"),
+    "rl/qwen2.5-coder-1.5b-grpo-code-1dev": ("grpo", 1, "one process"),
     "rl/qwen3-8b-grpo-8dev": ("grpo", 8, "dp_shard=8 (FSDP2)"),
     "rl/qwen2.5-7b-ppo-16dev": ("ppo", 16, "2 groups of dp_shard=8 (FSDP2)"),  # separated placement
 }

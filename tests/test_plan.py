@@ -356,6 +356,7 @@ BUNDLED = {  # each bundled config on the devices its name or README gives
     "dpo/qwen2.5-7b-full-8dev": ("dpo", 8, "80GB"),
     "reward/llama-3.2-1b": ("reward", 1, "80GB"),
     "rl/qwen2.5-1.5b-grpo-math-1dev": ("grpo", 1, "80GB"),
+    "rl/qwen2.5-coder-1.5b-grpo-code-1dev": ("grpo", 1, "80GB"),
     "rl/qwen3-8b-grpo-8dev": ("grpo", 8, "80GB"),
     "rl/qwen2.5-7b-ppo-16dev": ("ppo", 16, "80GB"),
 }
