@@ -132,7 +132,7 @@ def test_user_reward_file(tmp_path):
         "5", {"answer": "5"}, prompt="p", response_tokens=4
     )
     assert parts == {"brevity": 0.25, "exact": 1.0} and total == 1.5
-    with pytest.raises(DataError, match="reward 'broken' returned nan"):
+    with pytest.raises(DataError, match=r"reward 'broken' returned None \(a finite number expected\)"):
         Rewards([{"name": "broken"}], file=f)("x", {}, **CTX)
     with pytest.raises(
         ConfigError, match=r"nargs in .*mine.py must accept \(response, record, \*\*context\)"

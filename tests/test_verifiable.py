@@ -54,6 +54,23 @@ def test_a_program_runs_with_its_input_and_leaves_nothing():
             "    while tb:\n        tb.tb_frame.f_globals.clear()\n        tb = tb.tb_next\n"
             "open('/tmp/ladle_sandbox_escape', 'w')",
         ),
+        (
+            "device node",
+            "import os, stat\nos.mknod('d', stat.S_IFBLK | 0o600, os.makedev(254, 0))\nopen('d', 'r+b')",
+        ),
+        (
+            "fd working directory",
+            "import os\nos.chdir(os.open('/', 0))\nopen('tmp/ladle_sandbox_escape', 'w')",
+        ),
+        ("truncating flag", "import os\nos.open('/tmp/ladle_sandbox_keep', os.O_TRUNC)"),
+        ("kill the trainer", "import os\nos.kill(os.getppid(), 9)"),
+        (
+            "the hook's own defaults",
+            "try:\n    open('/tmp/x', 'w')\nexcept PermissionError as e:\n    tb = e.__traceback__\n"
+            "    while tb.tb_next:\n        tb = tb.tb_next\n"
+            "    tb.tb_frame.f_locals['inside'].__defaults__ = (lambda p: '/', '/', '/', ())\n"
+            "open('/tmp/ladle_sandbox_escape', 'w')",
+        ),
         ("sleep", "import time\ntime.sleep(60)"),
         ("busy loop", "while True:\n    pass"),
         ("memory", "x = bytearray(8 << 30)"),
@@ -89,6 +106,25 @@ def test_hostile_programs_fail_closed_and_leave_no_trace(name, program, tmp_path
     assert not reached  # the listener never saw a connection
     assert leftovers() == before
     os.remove(keep)
+
+
+def test_the_standard_library_works_in_the_sandbox():
+    # what code-RL programs use: functools (lru_cache), collections (namedtuple), typing,
+    # dataclasses, re, json, threading, fractions, statistics... (the hook refuses none of it)
+    program = (
+        "import re, json, functools, collections, threading, typing, dataclasses, enum, fractions, heapq\n"
+        "import itertools, math, string, bisect, decimal, statistics, sys\n"
+        "from typing import List\n"
+        "@functools.lru_cache(None)\ndef fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+        "P = collections.namedtuple('P', 'x y')\n"
+        "@dataclasses.dataclass\nclass D:\n    a: int = 1\n"
+        "t = threading.Thread(target=lambda: None)\nt.start()\nt.join()\n"
+        "print(fib(30), P(1, 2).x, D().a, json.dumps([1]), re.sub('a', 'b', 'aa'), fractions.Fraction(1, 3),"
+        " statistics.mean([1, 2]), sys.stdin.read().strip())"
+    )
+    r = sandbox.run(program, "in", FAST)
+    assert r.ok, r.stderr
+    assert r.stdout == "832040 1 1 [1] bb 1/3 1.5 in\n"
 
 
 def test_output_is_capped():

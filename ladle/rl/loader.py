@@ -260,13 +260,18 @@ class RolloutLoader:
         ]
 
         def at(k: int) -> str:
-            where = f"step {step + 1}{' (validation)' if split == 'val' else ''}"
+            where = "validation" if split == "val" else f"step {step * self.reuse + 1}"
             return f"{where}, {split} prompt {r.prompt_index[k]} sample {r.sample_index[k]}"
 
         try:
             scored = self.rewards.score(rows)
         except RewardError as e:
             scored, failed = [], f"{e}; at {at(e.row)}; the response began {texts[e.row][:120]!r}"
+        except Exception as e:  # anything else still stops every rank together, named
+            scored, failed = (
+                [],
+                f"the rewards raised {type(e).__name__}: {e}; at {at(0)} and the rest of its batch",
+            )
         for k, (total, each, why) in enumerate(scored):
             errors.append(int(why is not None))
             if why is not None and self.named < 3:  # rewards.on_error: zero; the first cases named
@@ -300,7 +305,12 @@ class RolloutLoader:
         return rew, out
 
     def episodes(self, r, records: list[dict], values: dict, step: int) -> None:
-        """The first rows of the batch (up to `log_rollouts`) as episodes for rollouts.jsonl."""
+        """The first rows of the batch (up to `log_rollouts`) as episodes for rollouts.jsonl (as
+        scored: a group that DAPO's refill drops later is logged all the same)."""
+
+        def trained(k: int) -> bool:  # DAPO's overlong filtering keeps a cut response out of the loss
+            return r.finished[k] or not getattr(self.section, "mask_truncated", False)
+
         for k in range(min(self.section.log_rollouts - len(self.logged), len(r))):
             prompt = records[r.prompt_index[k]].get("prompt", "")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -312,9 +322,13 @@ class RolloutLoader:
                     "sample": r.sample_index[k],
                     "messages": [*messages, {"role": "assistant", "content": text}],
                     "tokens": [*r.prompt_ids[k], *r.response_ids[k]],
-                    "mask": [0] * len(r.prompt_ids[k]) + [1] * len(r.response_ids[k]),
+                    "mask": [0] * len(r.prompt_ids[k]) + [int(trained(k))] * len(r.response_ids[k]),
                     "reward": values["reward"][k],
-                    "rewards": {key[7:]: v[k] for key, v in values.items() if key.startswith("reward_")},
+                    "rewards": {
+                        key[7:]: v[k]
+                        for key, v in values.items()
+                        if key.startswith("reward_") and key != "reward_errors"
+                    },
                     "turns": 1,
                     "tool_calls": [],
                 }

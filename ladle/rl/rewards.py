@@ -308,7 +308,12 @@ def code_reward(
         program = program_of(response)
         if isinstance(tests, str):
             return [(program + "\n\n" + tests + "\n", "")], [None]
-        return [(program, str(c.get("input", ""))) for c in tests], [str(c.get("output", "")) for c in tests]
+        if not all(isinstance(c, dict) and "output" in c for c in tests):
+            raise DataError(
+                f"reward 'code' reads the record's {field!r}: each case a {{'input', 'output'}} object; this "
+                f"record has {tests!r:.80}"
+            )
+        return [(program, str(c.get("input", ""))) for c in tests], [str(c["output"]) for c in tests]
 
     def many(rows: list) -> list:
         """Every row's value (or the exception its record raised): all their cases in one pool."""
@@ -505,24 +510,25 @@ class Rewards:
                     got.append(e)
             values[key] = got
         out = []
-        for k, (_, record, _) in enumerate(rows):
+        for k in range(len(rows)):
             parts, failed = {}, None
             for key, _, fn in self.terms:
-                value = values[key][k]
+                value, why = values[key][k], None
                 if isinstance(value, Exception):
                     why = describe_failure(key, fn, value)
+                else:
+                    try:
+                        number = float(value)
+                    except (TypeError, ValueError):
+                        number = math.nan
+                    if not math.isfinite(number):
+                        why = f"reward {key!r} returned {value!r:.40} (a finite number expected)"
+                    value = number
+                if why is not None:  # a failure of the term on this row
                     if self.on_error == "stop":
-                        raise RewardError(why, row=k) from value
+                        raise RewardError(why, row=k) from (value if isinstance(value, Exception) else None)
                     self.errors, self.last_failure, failed = self.errors + 1, why, why
                     value = 0.0
-                try:
-                    value = float(value)
-                except (TypeError, ValueError):
-                    value = math.nan
-                if not math.isfinite(value):
-                    raise DataError(
-                        f"reward {key!r} returned {value!r} (a finite number expected) for the record {record!r:.200}"
-                    )
                 parts[key] = value
             out.append((sum(w * parts[j] for j, w, _ in self.terms), parts, failed))
         return out

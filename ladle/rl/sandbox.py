@@ -7,9 +7,11 @@ Each run is a separate Python process (`python -I`, no user site or environment)
 that one layer's gap is another's wall:
 
 - its own session and process group, killed whole at the end (SIGKILL), whatever it started;
-- a mount and a network namespace of its own where the kernel allows them (as root, else with
-  a user namespace): every mount read-only but its folder (the kernel refuses a write anywhere
-  else, whatever the program does to Python), and no interface but a loopback that is down;
+- mount, network and process namespaces of its own where the kernel allows them (as root, else
+  with a user namespace): every mount read-only, no devices, no set-user-id, but its folder
+  (writable, no devices); no interface but a loopback that is down; no other process in sight
+  (the trainer's cannot be signalled); run as root, it then enters a user namespace of its own,
+  keeping no capability over the host (no device nodes, no remounts);
 - as root, the run drops to the `nobody` user (no file of the host is its to write);
 - resource limits: CPU seconds, address space, file size (stdout and stderr go to files in its
   folder, so the size limit caps the output), open files, processes;
@@ -44,10 +46,11 @@ from dataclasses import dataclass
 DRIVER = r"""
 import os, sys, types
 
-def make_hook(root, deny, writes, native, introspect, frozen_attrs, sep=os.sep, cwd=os.getcwd(),
-              fsdecode=os.fsdecode, fspath=os.fspath, isinstance=isinstance, str=str, int=int, len=len,
-              PermissionError=PermissionError, pathlike=(str, bytes, os.PathLike), flags_w=os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-    def normal(path):
+def make_hook(root, deny, writes, native, introspect, guarded_attrs):
+    # Every name the hook and its helpers use is a default argument: nothing a program can reach
+    # (a module's globals, builtins, a closure's cells) changes what they do; and replacing their
+    # defaults or code is refused (`ours`, filled in once they exist).
+    def normal(path, sep=os.sep, cwd=os.getcwd(), fsdecode=os.fsdecode, fspath=os.fspath):
         # the absolute path by string operations alone ('..' and '.' folded); no symlink can lead
         # out of the private folder (making one that points out is refused)
         p = fsdecode(fspath(path))
@@ -62,18 +65,22 @@ def make_hook(root, deny, writes, native, introspect, frozen_attrs, sep=os.sep, 
                 out.append(part)
         return sep + sep.join(out)
 
-    def inside(path):
+    def inside(path, normal=normal, root=root, sep=os.sep, errors=(TypeError, ValueError)):
         try:
             p = normal(path)
-        except (TypeError, ValueError):
+        except errors:
             return False
         return p == root or p.startswith(root + sep)
 
-    def hook(event, args):
+    def hook(event, args, inside=inside, deny=deny, introspect=introspect, native=native, writes=writes,
+             guarded_attrs=guarded_attrs, isinstance=isinstance, str=str, int=int, len=len, any=any,
+             PermissionError=PermissionError, pathlike=(str, bytes, os.PathLike),
+             flags_w=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, ours=()):
         if event in deny or event in introspect:
             raise PermissionError("sandbox: " + event + " is not allowed")
-        if event == "object.__setattr__" and len(args) > 1 and args[1] in frozen_attrs:
-            raise PermissionError("sandbox: setting " + str(args[1]) + " is not allowed")
+        if event == "object.__setattr__" and len(args) > 1 and args[1] in guarded_attrs:
+            if any(args[0] is f for f in ours):
+                raise PermissionError("sandbox: changing the sandbox's hook is not allowed")
         if event == "import" and args and str(args[0]).split(".")[0] in native:
             raise PermissionError("sandbox: importing " + str(args[0]) + " is not allowed")
         if event == "open" and len(args) > 1:
@@ -82,14 +89,18 @@ def make_hook(root, deny, writes, native, introspect, frozen_attrs, sep=os.sep, 
             w = (mode and any(c in str(mode) for c in "wax+")) or (isinstance(flags, int) and flags & flags_w)
             if w and not isinstance(path, int) and not inside(path):
                 raise PermissionError("sandbox: writing outside the sandbox is not allowed")
+        if event == "os.chdir" and args and isinstance(args[0], int):  # paths are checked from the folder
+            raise PermissionError("sandbox: os.fchdir is not allowed")
         if event in writes:
             for a in args[:2]:
                 if isinstance(a, pathlike) and not inside(a):
                     raise PermissionError("sandbox: " + event + " outside the sandbox is not allowed")
+
+    hook.__defaults__ = hook.__defaults__[:-1] + ((hook, inside, normal),)
     return hook
 
 hook = make_hook(
-    os.getcwd(),
+    os.path.realpath(os.getcwd()),
     frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill",
                "os.killpg", "os.setsid", "subprocess.Popen", "pty.spawn", "socket.__new__", "socket.bind",
                "socket.connect", "socket.getaddrinfo", "socket.sendto", "ctypes.dlopen", "ctypes.dlsym",
@@ -100,10 +111,10 @@ hook = make_hook(
                "shutil.copytree", "os.chdir"}),
     frozenset({"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "_socket", "socket",
                "multiprocessing", "_multiprocessing", "signal", "_signal", "resource", "mmap", "_xxsubinterpreters"}),
-    frozenset({"sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile", "sys._getframemodulename",
-               "gc.get_objects", "gc.get_referrers", "gc.get_referents", "code.__new__", "function.__new__",
-               "object.__delattr__", "cpython.PyInterpreterState_Clear"}),
-    frozenset({"__code__", "__defaults__", "__kwdefaults__", "__globals__", "__closure__", "__builtins__"}),
+    frozenset({"sys._current_frames", "sys.settrace", "sys.setprofile", "gc.get_objects", "gc.get_referrers",
+               "gc.get_referents", "code.__new__", "function.__new__", "object.__delattr__", "os.setns",
+               "os.unshare"}),
+    frozenset({"__code__", "__defaults__", "__kwdefaults__"}),
 )
 with open(sys.argv[1]) as f:
     code = compile(f.read(), "<program>", "exec")
@@ -111,6 +122,8 @@ main = types.ModuleType("__main__")  # the program's own module: this driver is 
 main.__builtins__ = __builtins__
 sys.modules["__main__"], sys.argv = main, ["<program>"]
 del make_hook, f
+for loaded in ("_signal", "signal"):  # imported at start-up: the program must import them (refused)
+    sys.modules.pop(loaded, None)
 sys.addaudithook(hook)
 del hook
 exec(code, main.__dict__)
@@ -123,18 +136,33 @@ import ctypes, os, resource, sys
 cpu, memory, output, processes, drop = (int(x) for x in sys.argv[1:6])
 libc = ctypes.CDLL(None, use_errno=True)
 root = os.geteuid() == 0
-# a mount and a network namespace of its own (with a user namespace where not root); where the
-# kernel refuses them, the hook still refuses sockets and writes outside the folder
-if libc.unshare((0 if root else 0x10000000) | 0x00020000 | 0x40000000) == 0:
+NEWNS, NEWNET, NEWPID, NEWUSER = 0x00020000, 0x40000000, 0x20000000, 0x10000000
+RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+KEEP = {8: NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}  # statvfs flags a remount must keep -> mount's
+# mount, network and process namespaces of its own (with a user namespace where not root); where
+# the kernel refuses them, the audit hook still refuses sockets, processes and writes outside
+if libc.unshare((0 if root else NEWUSER) | NEWNS | NEWNET | NEWPID) == 0:
     here = os.getcwd().encode()
-    RDONLY, REMOUNT, BIND, REC, PRIVATE = 1, 32, 4096, 16384, 1 << 18
     libc.mount(None, b"/", None, REC | PRIVATE, None)  # nothing of this propagates back
-    if libc.mount(here, here, None, BIND, None) == 0:  # the folder stays writable, every other mount read-only
+    if libc.mount(here, here, None, BIND, None) == 0:  # the folder stays writable, with no devices
+        libc.mount(None, here, None, REMOUNT | BIND | NOSUID | NODEV, None)
         for line in open("/proc/self/mountinfo"):
             point = line.split()[4].encode().decode("unicode_escape").encode()
-            if point != here:
-                libc.mount(None, point, None, REMOUNT | BIND | RDONLY, None)
+            if point == here:
+                continue
+            try:
+                kept = sum(m for f, m in KEEP.items() if os.statvfs(point).f_flag & f)
+            except OSError:
+                kept = 0
+            libc.mount(None, point, None, REMOUNT | BIND | RDONLY | NOSUID | NODEV | kept, None)
         os.chdir(here)  # through the new mount (the old working directory is the read-only one)
+    pid = os.fork()  # the program: the first process of the new PID namespace (no other is in sight)
+    if pid:
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)
+    if root and not drop:
+        libc.unshare(NEWUSER)  # no capability over the host left: no device nodes, no remounts
 for what, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, output),
                     (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(what, (value, value))
@@ -156,7 +184,7 @@ class Limits:
     cpu_s: int = 5
     memory_bytes: int = 1 << 30
     output_bytes: int = 1 << 20
-    processes: int = 64  # a ceiling for the user `nobody` across every sandbox running at once
+    processes: int = 4096  # as `nobody`: a ceiling over every sandbox of the machine at once
 
 
 @dataclass
@@ -186,21 +214,23 @@ DROP = reachable_by_others(sys.executable)  # as root: run the program as `nobod
 
 
 def run(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
-    """`code` (Python source) run in a sandbox with `stdin`; its folder is removed after."""
+    """`code` (Python source) run in a sandbox with `stdin`; its folder is removed after. Any
+    failure to run it is a failed `Result`, never an exception."""
     folder = tempfile.mkdtemp(prefix="ladle-sandbox-")
+    t0 = time.perf_counter()
     try:
-        os.chmod(folder, 0o700)
         for name, text in (("main.py", code), ("driver.py", DRIVER), ("stdin", stdin)):
             with open(os.path.join(folder, name), "w") as f:
                 f.write(text)
-        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+            os.chmod(os.path.join(folder, name), 0o644)  # readable by `nobody`, whatever the umask
         env = {"PATH": "/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8"}
         args = [
             str(x)
             for x in (limits.cpu_s, limits.memory_bytes, limits.output_bytes, limits.processes, int(DROP))
         ]
-        t0 = time.perf_counter()
-        with open(os.path.join(folder, "stdin")) as i, open(out, "w") as o, open(err, "w") as e:
+        # stdout and stderr read back through these handles: the program may replace the paths
+        with open(os.path.join(folder, "stdin")) as i, tempfile.TemporaryFile("w+", dir=folder) as o, \
+                tempfile.TemporaryFile("w+", dir=folder) as e:  # fmt: skip
             p = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", ISOLATE, *args],
                 stdin=i,
@@ -218,11 +248,24 @@ def run(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
             finally:
                 _kill(p.pid)
                 p.wait()
-        seconds = time.perf_counter() - t0
-        read = lambda path: open(path, errors="replace").read(limits.output_bytes)  # noqa: E731
-        return Result(returncode, read(out), read(err), timed_out, seconds)
+            o.seek(0), e.seek(0)
+            out, err = o.read(limits.output_bytes), e.read(limits.output_bytes)
+        return Result(returncode, out, err, timed_out, time.perf_counter() - t0)
+    except Exception as e:  # the program left its folder in a state that fails the run: it fails
+        return Result(-1, "", f"sandbox: {type(e).__name__}: {e}", False, time.perf_counter() - t0)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove(folder)
+
+
+def _remove(folder: str) -> None:
+    """The run's folder, whatever the program did to its permissions."""
+    for root, dirs, _ in os.walk(folder):
+        for d in dirs:
+            try:
+                os.chmod(os.path.join(root, d), 0o700)
+            except OSError:
+                pass
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _kill(pid: int) -> None:
