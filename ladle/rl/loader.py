@@ -49,6 +49,12 @@ def sampling_of(section) -> Sampling:
     )
 
 
+def prompt_lists(b: dict) -> tuple[list[list[int]], list[int]]:
+    """A prompt microbatch's prompts (token ids, left padding dropped) and their indices."""
+    prompts = [row[-int(n) :].tolist() for row, n in zip(b["prompt"], b["prompt_len"], strict=True)]
+    return prompts, b["index"].tolist()
+
+
 def end_ids(tok) -> set[int]:
     """The tokens that end a response: EOS and the chat templates' end-of-turn tokens."""
     ends = {tok.eos_id, *(tok.token_to_id(t) for t in END_OF_TURN)}
@@ -237,8 +243,7 @@ class RolloutLoader:
     def sample(self, b: dict, step: int, split: str = "train"):
         """Generate and score a prompt microbatch's responses: (the rollouts, their rewards
         (float64), each reward term's values by key, with `reward` and `response_len`)."""
-        prompts = [row[-int(n) :].tolist() for row, n in zip(b["prompt"], b["prompt_len"], strict=True)]
-        index = b["index"].tolist()
+        prompts, index = prompt_lists(b)
         self.parking.park(*self.parking.items)  # the policy alone generates
         self.sync_s += self.engine.sync_weights()
         r = self.engine.generate(prompts, index, self.sampling, step=step)

@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ladle.models.stream import stream_hf
 from ladle.rl.engine import RolloutEngine
-from ladle.rl.loader import VALIDATION_STEP
+from ladle.rl.loader import VALIDATION_STEP, prompt_lists
 from ladle.rl.placement import Pair
 from ladle.rl.rollout import Rollouts
 from ladle.rl.vllm_worker import host_store, private_group, send_hf
@@ -121,12 +121,6 @@ class Ahead:
 
     def close(self) -> None:
         self.inner.close()
-
-
-def prompt_lists(b: dict) -> tuple[list[list[int]], list[int]]:
-    """A prompt microbatch's prompts (token ids, left padding dropped) and their indices."""
-    prompts = [row[-int(n) :].tolist() for row, n in zip(b["prompt"], b["prompt_len"], strict=True)]
-    return prompts, b["index"].tolist()
 
 
 class EngineClient(RolloutEngine):
