@@ -408,7 +408,7 @@ def test_ppo_bad_input_is_refused_by_name(chat_tokenizer, prompt_data, reward_fo
     refused(cfg, "a vocabulary of 640 tokens, the policy's has 700")
     cfg = ppo_config(chat_tokenizer, prompt_data, tmp_path / "r")
     cfg["rewards"] = {"terms": []}
-    refused(cfg, "rewards.terms: name at least one reward (or a reward model, rewards.model)")
+    refused(cfg, "rewards.terms: name at least one reward (or a reward model, rewards.model")
 
 
 def test_policy_loss_takes_token_advantages_dual_clip_and_an_entropy_bonus():

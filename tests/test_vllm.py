@@ -153,6 +153,68 @@ def test_more_prompt_tokens_than_one_engine_step_takes(policy):
     assert len(r) == 48 and all(len(x) == 4 or x[-1] == END for x in r.response_ids)
 
 
+def test_both_engines_give_the_same_episodes_greedy_in_fp32(policy, tmp_path):
+    """Multi-turn episodes (ladle/rl/env.py) on vLLM and on ladle's engine: the same transcripts,
+    masks and turns, with greedy decoding in fp32, an episode budget that cuts some short."""
+    from types import SimpleNamespace
+
+    from ladle.data.chat import ChatTemplate
+    from ladle.rl.engine import LocalEngine
+    from ladle.rl.env import Episodes
+    from ladle.rl.rollout import Sampling
+
+    model, _, engine = policy
+    engine.sync_weights()
+    (tmp_path / "env.py").write_text(
+        "class Echo:\n"
+        "    def reset(self, record):\n"
+        "        return [{'role': 'user', 'content': record['prompt']}]\n"
+        "    def step(self, reply):\n"
+        "        return {'messages': [{'role': 'user', 'content': 'more ' + reply[:3]}], 'reward': 1.0, 'done': False}\n"
+    )
+    chars = SimpleNamespace(  # a tokenizer of the tiny vocabulary: a character a token
+        eos_id=END,
+        encode=lambda text: [2 + ord(c) % 90 for c in text],
+        decode=lambda ids, skip_special_tokens=True: "".join(chr(97 + i % 26) for i in ids),
+    )
+    cfg = SimpleNamespace(
+        file=str(tmp_path / "env.py"), name="Echo", kwargs={}, tools=[], tool_format="auto", tool_timeout_s=5.0,
+        max_turns=3, max_total_tokens=0,
+    )  # fmt: skip
+    # a template of few characters (a character a token here): three turns fit the engine's 128
+    SHORT = (
+        "{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + '|' }}{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}"
+    )
+    records = {0: {"prompt": "ab"}, 1: {"prompt": "a longer question"}, 2: {"prompt": "x" * 100}}
+    greedy = Sampling(n=2, temperature=0.0, max_new_tokens=8)
+
+    def episodes(ends):
+        return Episodes(
+            cfg, "grpo.env", tok=chars, template=ChatTemplate(SHORT), source="short", end_ids=ends,
+            max_len=128,
+        )  # fmt: skip
+
+    # an end token the greedy replies reach (the tiny policy's tokens, not END), so turns end
+    def mine(ends):
+        return LocalEngine(model, seed=3, end_ids=ends, decode=None, pad_id=0, batch_size=16)
+
+    first, _ = episodes({END}).run(mine({END}), records, [0], greedy, step=0)
+    ends = {first.response_ids[0][2]}
+    engine.end_ids, kept = ends, engine.end_ids
+    try:
+        a, ea = episodes(ends).run(engine, records, [0, 1, 2], greedy, step=0)
+    finally:
+        engine.end_ids = kept
+    b, eb = episodes(ends).run(mine(ends), records, [0, 1, 2], greedy, step=0)
+    assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids and a.mask == b.mask
+    assert [e.turns for e in ea] == [e.turns for e in eb] and max(e.turns for e in ea) == 3
+    assert [e.finished for e in ea] == [e.finished for e in eb] and not all(e.finished for e in ea)
+    assert all(len(p) + len(r) <= 128 for p, r in zip(a.prompt_ids, a.response_ids, strict=True))
+    for x, y in zip(a.sample_logps, b.sample_logps, strict=True):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=2e-4)
+
+
 # -- the recipes with engine: vllm (after the tests above: a run's end shuts the module's engine
 # down with the process group) --------------------------------------------------------------------
 def vllm_grpo(chat_tokenizer, prompt_data, out, **grpo) -> dict:

@@ -623,6 +623,50 @@ class RewardConfig(Section):
     )
 
 
+class EnvConfig(Section):
+    """Multi-turn episodes with tools and an environment (ladle/rl/env.py, docs/rl.md)."""
+
+    file: str | None = Field(
+        None,
+        description="a Python file of yours defining the environment class and the tool functions, imported because you name it",
+    )
+    name: str | None = Field(
+        None,
+        description="the environment class in `file`: `reset(record) -> messages`, `step(reply) -> {messages, reward, done}`, one instance per episode; null: the record's prompt and the tools alone (a turn without tool calls is the answer)",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the environment class"
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="functions of `file` offered as tools (type hints and a Google-style docstring make their schema), or `python` (programs run in ladle's sandbox)",
+    )
+    tool_format: Literal["auto", "hermes", "llama3", "glm4"] = Field(
+        "auto",
+        description="how the model calls tools: `auto` reads it from the chat template (Qwen's <tool_call> is `hermes`, Llama-3.1's JSON `llama3`, GLM-4's `glm4`)",
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0, description="each tool call's time limit (and the `python` tool's)"
+    )
+    max_turns: int = Field(4, ge=1, description="the model's replies in an episode at most")
+    max_total_tokens: int = Field(
+        0,
+        ge=0,
+        description="an episode's tokens at most (prompt, replies and the messages between); 0: `data.seq_len`",
+    )
+
+    @model_validator(mode="after")
+    def _needs_file(self):
+        if self.name is not None and self.file is None:
+            raise ValueError(f"name {self.name!r} needs `file`, the Python file that defines it")
+        if self.name is None and not self.tools:
+            raise ValueError("name an environment class (`name`) or tools (`tools`), or remove the section")
+        own = [t for t in self.tools if t != "python"]
+        if own and self.file is None:
+            raise ValueError(f"tools {own} need `file`, the Python file that defines them")
+        return self
+
+
 class RolloutConfig(Section):
     """How the RL recipes sample their responses (ladle/rl/rollout.py)."""
 
@@ -670,6 +714,10 @@ class RolloutConfig(Section):
         0,
         ge=0,
         description="write this many sampled episodes a rollout batch to `rollouts.jsonl` in the run directory (rank 0's first): step, messages, the token ids as trained, the loss mask, each reward term; `ladle report` shows the last few",
+    )
+    env: EnvConfig | None = Field(
+        None,
+        description="multi-turn episodes: an environment of yours and/or tools; the model's turns are trained, the messages between them are context (docs/rl.md)",
     )
 
 
@@ -757,6 +805,11 @@ class GRPOConfig(RolloutConfig):
                 f"grpo.max_staleness={self.max_staleness} generates while the trainer trains, which needs "
                 "engine ranks of their own: set grpo.placement: separated (or max_staleness: 0)"
             )
+        if self.placement == "separated" and self.env is not None:
+            raise ValueError(
+                "grpo.env with grpo.placement=separated: multi-turn episodes run in the trainer's processes "
+                "for now; use grpo.placement: shared"
+            )
         if self.placement == "separated" and self.dynamic_sampling:
             raise ValueError(
                 "grpo.dynamic_sampling with grpo.placement=separated: DAPO's refill samples more prompts "
@@ -833,6 +886,11 @@ class PPOConfig(RolloutConfig):
     def _dual_clip(self):
         if 0 < self.dual_clip <= 1:
             raise ValueError(f"ppo.dual_clip={self.dual_clip}: must be above 1 (or 0: off)")
+        if self.placement == "separated" and self.env is not None:
+            raise ValueError(
+                "ppo.env with ppo.placement=separated: multi-turn episodes run with the actor; use "
+                "ppo.placement: shared"
+            )
         return self
 
 
@@ -1110,4 +1168,11 @@ class LadleConfig(Section):
                 f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be below "
                 f"train.max_steps ({self.train.max_steps})"
             )
+        for name in ("grpo", "ppo"):
+            env = getattr(self, name).env
+            if env is not None and env.max_total_tokens > self.data.seq_len:
+                raise ValueError(
+                    f"{name}.env.max_total_tokens ({env.max_total_tokens}) exceeds data.seq_len ({self.data.seq_len}), "
+                    "the longest row trained on; lower it or raise data.seq_len"
+                )
         return self

@@ -220,6 +220,8 @@ def _rollouts(run: Run, last: int = 3) -> list[str]:
             f"{k} {v:.3g}" for k, v in e.get("rewards", {}).items() if isinstance(v, (int, float))
         )
         head = f"step {e.get('step')}, prompt {e.get('prompt_index')} sample {e.get('sample')}: reward {e.get('reward', 0):.3g}"
+        if e.get("turns", 1) > 1 or e.get("tool_calls"):
+            head += f", {e.get('turns')} turns, {len(e.get('tool_calls', []))} tool calls"
         turns = "\n".join(f"[{m.get('role')}] {m.get('content')}" for m in e.get("messages", []))
         out.append(
             f"<h3>{html.escape(head)}</h3><p>{html.escape(terms)}</p><pre>{html.escape(turns, quote=False)}</pre>"

@@ -56,7 +56,7 @@ class GRPO(RLRecipe):
         loss = self.loss(s)
         if pair is not None and s.par.role == ENGINE:
             return self.engine_setup(s, pair, loss)
-        rewards = roles.load_rewards(cfg)
+        rewards = roles.load_rewards(cfg, "grpo")
         reward_model = roles.reward_model(cfg, s.par, s.device, s.run.events)
         reference = (
             roles.frozen_reference(cfg, s.par, s.device, s.run.events, "grpo") if g.kl_coef > 0 else None

@@ -80,7 +80,7 @@ class PPO(RLRecipe):
         pair = Pair(s.par.pair_group, s.device) if p.placement == "separated" else None
         if pair is not None and s.par.role == CRITIC:
             return self.critic_setup(s, pair)
-        rewards = roles.load_rewards(cfg)
+        rewards = roles.load_rewards(cfg, "ppo")
         reward_model = roles.reward_model(cfg, s.par, s.device, s.run.events) if pair is None else None
         reference = (
             roles.frozen_reference(cfg, s.par, s.device, s.run.events, "ppo") if p.kl_coef > 0 else None

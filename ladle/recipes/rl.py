@@ -9,9 +9,10 @@ from __future__ import annotations
 from ladle import distributed as dist
 from ladle.config import LadleConfig
 from ladle.data.prompts import PromptSamples, PromptSplit
+from ladle.data.tokenizer import load_tokenizer
 from ladle.errors import ConfigError
 from ladle.recipes.base import Recipe, Setup
-from ladle.rl import roles, vllm
+from ladle.rl import env, roles, vllm
 from ladle.rl.engine import LocalEngine
 from ladle.rl.loader import RolloutLoader, end_ids
 from ladle.rl.roles import Parking
@@ -35,6 +36,16 @@ class RLRecipe(Recipe):
     def check_paths(self, cfg: LadleConfig) -> None:
         roles.check_paths(cfg)
         self.check_engine(cfg)
+        self.check_env(cfg)
+
+    def check_env(self, cfg: LadleConfig) -> None:
+        """An environment's class and tools load, and the chat template can call them and append
+        turns (`env`), before launch."""
+        if getattr(cfg, self.section).env is None:
+            return
+        tok = load_tokenizer(cfg.tokenizer.path)
+        episodes = env.episodes_for(cfg, self.section, tok, end_ids(tok))
+        episodes.close()
 
     def check_engine(self, cfg: LadleConfig) -> None:
         """The rollout engine is installed and takes its arguments (`engine: vllm`)."""
@@ -138,8 +149,10 @@ def rollout_loader(
         )
     elif engine is None:
         engine = local_engine(s, section)
+    share = (s.par.shared_group, s.par.shared_rank == 0)  # TP: the ranks that hold the same rows
     return RolloutLoader(
         inner,
+        episodes=env.episodes_for(s.cfg, name, tok, end_ids(tok), share),
         section=section,
         engine=engine,
         tokenizer=tok,

@@ -126,7 +126,10 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
 ):
-    """(advantages, returns), each (R, T), 0 off the response. One pass from the end."""
+    """(advantages, returns), each (R, T), 0 off the response. One pass from the end, over the
+    masked positions alone: a position off the mask (past the end, or an episode's context
+    between the model's turns) passes the next value and advantage on unchanged, so the model's
+    tokens chain across its turns as if the context were not there (verl's multi-turn GAE)."""
     T = rewards.shape[1]
     m = mask.to(rewards.dtype)
     adv = torch.zeros_like(rewards)
@@ -136,9 +139,9 @@ def gae(
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         a = delta + gamma * lam * next_adv
         adv[:, t] = a * m[:, t]
-        # past the response's end nothing flows back: the next value and advantage are 0 there
-        next_value = values[:, t] * m[:, t]
-        next_adv = a * m[:, t]
+        # past the response's end the next value and advantage stay 0 (nothing flows back)
+        next_value = torch.where(m[:, t] > 0, values[:, t], next_value)
+        next_adv = torch.where(m[:, t] > 0, a, next_adv)
     return adv, (adv + values) * m
 
 

@@ -52,6 +52,24 @@ class RolloutEngine:
         so a response does not depend on the batch or layout it was sampled in."""
         raise NotImplementedError
 
+    def generate_rows(
+        self,
+        contexts: list[list[int]],
+        keys: list[tuple[int, int, int]],
+        limits: list[int],
+        sampling: Sampling,
+        *,
+        step: int,
+    ) -> Rollouts:
+        """One response to each context (an episode's transcript so far: ladle/rl/env.py), its
+        random stream keyed by (prompt index, sample, turn) and `step`, of `limits` tokens at
+        most; `sampling.n` is not used."""
+        raise NotImplementedError(f"{type(self).__name__} does not run multi-turn episodes")
+
+    def idle(self) -> None:
+        """The batch's generation is over (after an episode's last turn): an engine may release
+        its memory until the next sync."""
+
 
 class LocalEngine(RolloutEngine):
     """Samples with the training model in the training processes. `context`: the training
@@ -81,6 +99,12 @@ class LocalEngine(RolloutEngine):
         return 0.0  # the model it samples with is the one being trained
 
     def generate(self, prompts, prompt_index, sampling: Sampling, *, step: int) -> Rollouts:
+        return self._rollout(prompts, prompt_index, sampling, step)
+
+    def generate_rows(self, contexts, keys, limits, sampling: Sampling, *, step: int) -> Rollouts:
+        return self._rollout(contexts, None, sampling, step, keys=keys, limits=limits)
+
+    def _rollout(self, prompts, prompt_index, sampling: Sampling, step: int, **rows) -> Rollouts:
         with self.context():
             return rollout(
                 self.model,
@@ -95,4 +119,5 @@ class LocalEngine(RolloutEngine):
                 batch_size=self.batch_size,
                 group=self.group,
                 seq_multiple=self.seq_multiple,
+                **rows,
             )

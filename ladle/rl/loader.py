@@ -129,6 +129,7 @@ class RolloutLoader:
         keeps: dict | None = None,
         log: Callable[..., None] = lambda msg, level="info": None,
         rollouts_log=None,
+        episodes=None,
     ):
         self.inner, self.section, self.engine, self.tok = inner, section, engine, tokenizer
         self.rewards, self.records, self.unit, self.seed = rewards, records, unit, seed
@@ -147,6 +148,7 @@ class RolloutLoader:
         self.log, self.named = log, 0  # the run's events.log; reward failures named so far
         # rank 0: rollouts.jsonl, `section.log_rollouts` episodes a batch (`logged`: this batch's)
         self.rollouts_log, self.logged = rollouts_log, []
+        self.episodes = episodes  # multi-turn episodes (ladle/rl/env.py), or one response a row
         self.keeps = keeps or {}  # state that carries over batches (PPO's reward moments): checkpointed
         self.sampling = sampling_of(section)
         self.end_ids = end_ids(tokenizer)
@@ -188,6 +190,8 @@ class RolloutLoader:
     def close(self) -> None:
         self.inner.close()
         self.engine.close()
+        if self.episodes is not None:
+            self.episodes.close()
 
     def step_metrics(self) -> dict:
         return {**self.metrics, **self.engine.metrics()}
@@ -246,23 +250,48 @@ class RolloutLoader:
         prompts, index = prompt_lists(b)
         self.parking.park(*self.parking.items)  # the policy alone generates
         self.sync_s += self.engine.sync_weights()
-        r = self.engine.generate(prompts, index, self.sampling, step=step)
-        rew, terms = self.score(r, prompts, index, split, step)
-        terms["response_len"] = [len(x) for x in r.response_ids]
+        eps = None
+        if self.episodes is not None:
+            r, eps = self.episodes.run(self.engine, self.records[split], index, self.sampling, step=step)
+        else:
+            r = self.engine.generate(prompts, index, self.sampling, step=step)
+        rew, terms = self.score(r, prompts, index, split, step, eps)
+        terms["response_len"] = [r.model_tokens(k) for k in range(len(r))]  # the model's own tokens
+        if eps is not None:
+            terms["turns"] = [e.turns for e in eps]
+            terms["tool_calls"] = [len(e.tool_calls) for e in eps]
         return r, rew, terms
 
-    def score(self, r, prompts: list[list[int]], index: list[int], split: str, step: int = 0):
+    def score(self, r, prompts: list[list[int]], index: list[int], split: str, step: int = 0, eps=None):
         """The rewards of the rollouts `r`: the rule terms on each response's text (end tokens
-        dropped) and its prompt's record, plus the reward model's score of the whole sequence at
-        its last token, weighted. Returns (rewards (float64), every term's values by key)."""
-        prompt_text = {i: self.tok.decode(p) for i, p in zip(index, prompts, strict=True)}
+        dropped; an episode's last reply, with its transcript) and its prompt's record, an
+        episode's environment rewards (`eps`: ladle/rl/env.py), plus the reward model's score of
+        the whole sequence at its last token, weighted. Returns (rewards (float64), every term's
+        values by key)."""
         records = self.records[split]
         rewards, terms, failed, errors = [], {}, None, []
-        texts = [self.tok.decode([t for t in resp if t not in self.end_ids]) for resp in r.response_ids]
-        rows = [
-            (text, records[i], {"prompt": prompt_text[i], "response_tokens": len(resp)})
-            for text, i, resp in zip(texts, r.prompt_index, r.response_ids, strict=True)
-        ]
+        if eps is None:
+            prompt_text = {i: self.tok.decode(p) for i, p in zip(index, prompts, strict=True)}
+            texts = [self.tok.decode([t for t in resp if t not in self.end_ids]) for resp in r.response_ids]
+            rows = [
+                (text, records[i], {"prompt": prompt_text[i], "response_tokens": len(resp)})
+                for text, i, resp in zip(texts, r.prompt_index, r.response_ids, strict=True)
+            ]
+        else:
+            texts = [e.last for e in eps]
+            rows = [
+                (
+                    e.last,
+                    records[e.prompt_index],
+                    {
+                        "prompt": self.tok.decode(e.prompt),
+                        "response_tokens": r.model_tokens(k),
+                        "messages": e.messages,
+                        "turns": e.turns,
+                    },
+                )
+                for k, e in enumerate(eps)
+            ]
 
         def at(k: int) -> str:
             where = "validation" if split == "val" else f"step {step * self.reuse + 1}"
@@ -277,11 +306,21 @@ class RolloutLoader:
                 [],
                 f"the rewards raised {type(e).__name__}: {e}; at {at(0)} and the rest of its batch",
             )
+        env = eps is not None and self.episodes.cls is not None  # the environment's rewards: a term
         for k, (total, each, why) in enumerate(scored):
+            if env:
+                each = {**each, "env": eps[k].reward}
+                total += eps[k].reward
+            if eps is not None and eps[k].failed is not None:  # the environment raised: the episode fails
+                why, each = eps[k].failed, {key: 0.0 for key in each}
+                total = 0.0
+                if self.rewards.on_error == "stop" and failed is None:
+                    failed = f"{why}; at {at(k)}; the last reply began {texts[k][:120]!r}"
             errors.append(int(why is not None))
             if why is not None and self.named < 3:  # rewards.on_error: zero; the first cases named
                 self.named += 1
-                self.log(f"{why}; at {at(k)}: scored 0 (rewards.on_error: zero)", "warning")
+                began = f"the {'last reply' if eps is not None else 'response'} began {texts[k][:120]!r}"
+                self.log(f"{why}; at {at(k)}; {began}: scored 0 (rewards.on_error: zero)", "warning")
             rewards.append(total)
             for key, v in each.items():
                 terms.setdefault(key, []).append(v)
@@ -306,10 +345,10 @@ class RolloutLoader:
             self.parking.park("reward")
         out = {"reward": rew.tolist(), **{f"reward_{k}": v for k, v in terms.items()}}
         if split == "train" and self.rollouts_log is not None:
-            self.episodes(r, records, out, step)
+            self.log_episodes(r, records, out, step, eps)
         return rew, out
 
-    def episodes(self, r, records: list[dict], values: dict, step: int) -> None:
+    def log_episodes(self, r, records: list[dict], values: dict, step: int, eps=None) -> None:
         """The first rows of the batch (up to `log_rollouts`) as episodes for rollouts.jsonl (as
         scored: a group that DAPO's refill drops later is logged all the same)."""
 
@@ -317,25 +356,29 @@ class RolloutLoader:
             return r.finished[k] or not getattr(self.section, "mask_truncated", False)
 
         for k in range(min(self.section.log_rollouts - len(self.logged), len(r))):
-            prompt = records[r.prompt_index[k]].get("prompt", "")
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            text = self.tok.decode([t for t in r.response_ids[k] if t not in self.end_ids])
+            if eps is None:
+                prompt = records[r.prompt_index[k]].get("prompt", "")
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+                text = self.tok.decode([t for t in r.response_ids[k] if t not in self.end_ids])
+                messages.append({"role": "assistant", "content": text})
+            else:
+                messages = eps[k].messages
             self.logged.append(
                 {
                     "step": step * self.reuse + 1,  # the first optimizer step that trains on it
                     "prompt_index": r.prompt_index[k],
                     "sample": r.sample_index[k],
-                    "messages": [*messages, {"role": "assistant", "content": text}],
+                    "messages": messages,
                     "tokens": [*r.prompt_ids[k], *r.response_ids[k]],
-                    "mask": [0] * len(r.prompt_ids[k]) + [int(trained(k))] * len(r.response_ids[k]),
+                    "mask": [0] * len(r.prompt_ids[k]) + [m * int(trained(k)) for m in r.model_mask(k)],
                     "reward": values["reward"][k],
                     "rewards": {
                         key[7:]: v[k]
                         for key, v in values.items()
                         if key.startswith("reward_") and key != "reward_errors"
                     },
-                    "turns": 1,
-                    "tool_calls": [],
+                    "turns": eps[k].turns if eps is not None else 1,
+                    "tool_calls": eps[k].tool_calls if eps is not None else [],
                 }
             )
 

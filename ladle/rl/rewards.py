@@ -417,8 +417,11 @@ class Rewards:
         on_error: str = "stop",
     ):
         self.on_error, self.errors, self.last_failure = on_error, 0, ""
-        if not terms and not model:  # `model`: a reward model scores too (the recipe adds its term)
-            raise ConfigError("rewards.terms: name at least one reward (or a reward model, rewards.model)")
+        if not terms and not model:  # `model`: a reward model or an environment scores too
+            raise ConfigError(
+                "rewards.terms: name at least one reward (or a reward model, rewards.model, or an environment "
+                "that rewards, grpo.env / ppo.env)"
+            )
         module = load_reward_file(file) if file else None
         self.terms: list[tuple[str, float, Callable]] = []
         for i, term in enumerate(terms):

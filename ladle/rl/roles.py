@@ -90,12 +90,14 @@ def frozen_reference(cfg: LadleConfig, par: Parallel, device, log: Callable[[str
     return build_laid_out(cfg, par, device, trainable=False).model
 
 
-def load_rewards(cfg: LadleConfig) -> tuple[Rewards, dict[str, list[dict]]]:
-    """The rule rewards and the prompts' records by split, checked for the fields the rewards read."""
+def load_rewards(cfg: LadleConfig, section: str | None = None) -> tuple[Rewards, dict[str, list[dict]]]:
+    """The rule rewards and the prompts' records by split, checked for the fields the rewards read.
+    `section` (`grpo`, `ppo`): an environment of its `env` rewards too, so `rewards.terms` may be []."""
+    env = getattr(cfg, section).env if section else None
     rewards = Rewards(
         cfg.rewards.terms,
         cfg.rewards.file,
-        model=cfg.rewards.model is not None,
+        model=cfg.rewards.model is not None or (env is not None and env.name is not None),
         on_error=cfg.rewards.on_error,
     )
     splits = {split: PromptSplit(cfg.data.path, split) for split in ("train", "val")}

@@ -27,15 +27,21 @@ from ladle.models.generation import sample, stop_strings
 from ladle.train.loss import IGNORE_INDEX, token_logps
 
 
-def row_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """The generator seed of one response: a hash of its key (63 bits)."""
-    digest = hashlib.blake2b(f"rollout:{seed}:{step}:{prompt_index}:{sample_index}".encode(), digest_size=8)
+def row_seed(seed: int, step: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
+    """The generator seed of one response (an episode's `turn`-th reply): a hash of its key (63
+    bits). The first turn's key is a single-turn response's, so one turn samples alike either way."""
+    key = f"rollout:{seed}:{step}:{prompt_index}:{sample_index}" + (f":{turn}" if turn else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
 @dataclass
 class Rollouts:
-    """Sampled responses, one row per (prompt, sample); lists in row order."""
+    """Sampled responses, one row per (prompt, sample); lists in row order. A multi-turn
+    episode (ladle/rl/env.py) is one row: `response_ids` every token after the first prompt, the
+    model's replies and the environment's messages between them, `mask` 1 on the model's own
+    tokens and 0 on that context (its `sample_logps` 0); a single-turn row has an empty `mask`
+    (all its response tokens the model's)."""
 
     prompt_index: list[int] = field(default_factory=list)
     sample_index: list[int] = field(default_factory=list)
@@ -44,12 +50,21 @@ class Rollouts:
     sample_logps: list[list[float]] = field(default_factory=list)
     finished: list[bool] = field(default_factory=list)  # ended by EOS or a stop string, not the cap
     version: list[int] = field(default_factory=list)  # the policy's optimizer step it was sampled with
+    mask: list[list[int]] = field(default_factory=list)  # per response token: 1 the model's, 0 context
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def add(
-        self, prompt_index: int, sample_index: int, prompt, response, logps, finished: bool, version: int = 0
+        self,
+        prompt_index: int,
+        sample_index: int,
+        prompt,
+        response,
+        logps,
+        finished: bool,
+        version: int = 0,
+        mask: list[int] | None = None,
     ) -> None:
         """One more row."""
         self.prompt_index.append(prompt_index)
@@ -59,6 +74,15 @@ class Rollouts:
         self.sample_logps.append(logps)
         self.finished.append(finished)
         self.version.append(version)
+        self.mask.append(list(mask) if mask is not None else [])
+
+    def model_mask(self, k: int) -> list[int]:
+        """Row `k`'s mask over its response tokens (1: the model's own)."""
+        return self.mask[k] or [1] * len(self.response_ids[k])
+
+    def model_tokens(self, k: int) -> int:
+        """How many of row `k`'s response tokens the model sampled."""
+        return sum(self.mask[k]) if self.mask[k] else len(self.response_ids[k])
 
     def extend(self, other: Rollouts) -> None:
         for name in self.__dataclass_fields__:
@@ -101,35 +125,46 @@ def rollout(
     batch_size: int = 16,
     group=None,
     seq_multiple: int = 1,
+    keys: list[tuple[int, int, int]] | None = None,
+    limits: list[int] | None = None,
 ) -> Rollouts:
     """`sampling.n` responses to each prompt (token ids; `prompt_index` their global indices, the
     key of their random streams), sampled in batches of `batch_size` rows. A response ends at a
     token of `end_ids` (kept) or a stop string (`decode` needed; the text up to it is the
     caller's to cut) or at the cap. `group`: the ranks that sample together (a laid-out model's;
-    None: the world); `seq_multiple`: tensor parallelism's degree (`generation.sample`)."""
-    if len(prompts) != len(prompt_index):
+    None: the world); `seq_multiple`: tensor parallelism's degree (`generation.sample`).
+    `keys`: one response to each prompt instead, keyed (prompt index, sample, turn) (an
+    episode's later turns: ladle/rl/env.py), `limits` its tokens at most (the cap otherwise)."""
+    if keys is not None:
+        rows = [(p, *k) for p, k in zip(prompts, keys, strict=True)]
+    elif len(prompts) != len(prompt_index):
         raise ValueError("one prompt index per prompt")
-    rows = [(p, i, s) for p, i in zip(prompts, prompt_index, strict=True) for s in range(sampling.n)]
+    else:
+        rows = [(p, i, s, 0) for p, i in zip(prompts, prompt_index, strict=True) for s in range(sampling.n)]
+    cap = [sampling.max_new_tokens] * len(rows) if limits is None else limits
     stop = stop_strings(decode, list(sampling.stop)) if sampling.stop else None
     out = Rollouts()
     # Every rank runs as many batches (FSDP: a forward pass is a collective); a rank with fewer
     # rows runs its last batch again on a copy of its first row and drops the result.
     batches = -(-len(rows) // batch_size)
+    longest = max(cap, default=1)  # every batch sampled up to it (ranks stop together under FSDP)
     ranks = dist.world_size(group)
     if ranks > 1:
         device = next(model.parameters()).device
-        batches = int(dist.all_reduce_max(torch.tensor([batches], device=device), group).item())
+        high = dist.all_reduce_max(torch.tensor([batches, longest], device=device), group)
+        batches, longest = (int(x) for x in high.tolist())
     model_was_training = model.training
     model.eval()
     try:
         for b in range(batches):
-            chunk = rows[b * batch_size : (b + 1) * batch_size] or rows[:1] or [([pad_id], -1, 0)]
+            chunk = rows[b * batch_size : (b + 1) * batch_size] or rows[:1] or [([pad_id], -1, 0, 0)]
+            caps = cap[b * batch_size : (b + 1) * batch_size] or [longest]
             real = b * batch_size < len(rows)
-            gens = [torch.Generator().manual_seed(row_seed(seed, step, i, s)) for _, i, s in chunk]
+            gens = [torch.Generator().manual_seed(row_seed(seed, step, i, s, t)) for _, i, s, t in chunk]
             got = sample(
                 model,
-                [p for p, _, _ in chunk],
-                max_new_tokens=sampling.max_new_tokens,
+                [p for p, _, _, _ in chunk],
+                max_new_tokens=longest,
                 temperature=sampling.temperature,
                 top_k=sampling.top_k,
                 top_p=sampling.top_p,
@@ -143,7 +178,11 @@ def rollout(
             )
             if not real:
                 continue
-            for (p, i, s), ids, lps, fin in zip(chunk, got.tokens, got.logps, got.finished, strict=True):
+            for (p, i, s, _), n, ids, lps, fin in zip(
+                chunk, caps, got.tokens, got.logps, got.finished, strict=True
+            ):
+                if len(ids) > n:  # a row's own limit below the batch's (an episode's token budget)
+                    ids, lps, fin = ids[:n], lps[:n], False
                 out.add(i, s, p, ids, lps, fin)
     finally:
         model.train(model_was_training)
@@ -152,9 +191,10 @@ def rollout(
 
 def sequences(rollouts: Rollouts, pad_id: int = 0, multiple: int = 1) -> dict[str, torch.Tensor]:
     """The rows as a training batch: `tokens` (R, T) prompt + response, right-padded (T a
-    `multiple`: tensor parallelism's sequence shards); `targets` the response tokens at the
-    positions that predict them (IGNORE_INDEX elsewhere); `lengths`; `sample_logps` (R, T) the
-    sampling-time log-probs at those positions (0 elsewhere)."""
+    `multiple`: tensor parallelism's sequence shards); `targets` the model's own response tokens
+    at the positions that predict them (IGNORE_INDEX elsewhere: the prompt, an episode's context
+    between turns, the padding); `lengths`; `sample_logps` (R, T) the sampling-time log-probs at
+    those positions (0 elsewhere)."""
     lengths = rollouts.lengths()
     T = -(-max(lengths) // multiple) * multiple
     tokens = torch.full((len(lengths), T), pad_id, dtype=torch.long)
@@ -163,7 +203,10 @@ def sequences(rollouts: Rollouts, pad_id: int = 0, multiple: int = 1) -> dict[st
     for k, (p, r) in enumerate(zip(rollouts.prompt_ids, rollouts.response_ids, strict=True)):
         seq = torch.tensor(p + r, dtype=torch.long)
         tokens[k, : len(seq)] = seq
-        targets[k, len(p) - 1 : len(seq) - 1] = seq[len(p) :]
+        own = seq[len(p) :]
+        if rollouts.mask[k]:  # an episode's context is not trained on
+            own = own.masked_fill(torch.tensor(rollouts.mask[k]) == 0, IGNORE_INDEX)
+        targets[k, len(p) - 1 : len(seq) - 1] = own
         if k < len(rollouts.sample_logps) and len(rollouts.sample_logps[k]) == len(r):
             sampled[k, len(p) - 1 : len(seq) - 1] = torch.tensor(rollouts.sample_logps[k])
     return {"tokens": tokens, "targets": targets, "lengths": torch.tensor(lengths), "sample_logps": sampled}
@@ -196,14 +239,16 @@ def score_at(model, tokens: torch.Tensor, at: torch.Tensor, all_positions: bool 
 
 
 def logprob_diff(rollouts: Rollouts, logps: torch.Tensor, batch: dict) -> float:
-    """The largest |training - sampling| log-prob over all response tokens (`rollout_logprob_diff`)."""
+    """The largest |training - sampling| log-prob over the model's own response tokens
+    (`rollout_logprob_diff`)."""
     worst = 0.0
     logps = logps.detach()
     mask = batch["targets"] != IGNORE_INDEX
     for k, lps in enumerate(rollouts.sample_logps):
-        if lps and int(mask[k].sum()) == len(lps):  # a row masked out of the loss is not compared
+        own = [lp for lp, m in zip(lps, rollouts.model_mask(k), strict=True) if m] if lps else []
+        if own and int(mask[k].sum()) == len(own):  # a row masked out of the loss is not compared
             train = logps[k][mask[k]]
-            worst = max(worst, float((train - torch.tensor(lps, dtype=train.dtype)).abs().max()))
+            worst = max(worst, float((train - torch.tensor(own, dtype=train.dtype)).abs().max()))
     return worst
 
 

@@ -239,27 +239,41 @@ class VLLMEngine(RolloutEngine):
         return time.perf_counter() - t0
 
     def generate(self, prompts, prompt_index, sampling: Sampling, *, step: int) -> Rollouts:
-        keys = [(p, i, s) for p, i in zip(prompts, prompt_index, strict=True) for s in range(sampling.n)]
+        rows = [(p, i, s, 0) for p, i in zip(prompts, prompt_index, strict=True) for s in range(sampling.n)]
+        out = self._generate(rows, [sampling.max_new_tokens] * len(rows), sampling, step)
+        self.idle()
+        return out
+
+    def generate_rows(self, contexts, keys, limits, sampling: Sampling, *, step: int) -> Rollouts:
+        # awake between an episode's turns: the episodes' loop calls `idle` after the last
+        return self._generate([(c, *k) for c, k in zip(contexts, keys, strict=True)], limits, sampling, step)
+
+    def idle(self) -> None:
+        if self.sleeps:  # the training step gets the device back; the weights come again at the sync
+            self.llm.sleep(level=2)
+            self.asleep, self.stale = True, True
+
+    def _generate(self, rows: list, limits: list[int], sampling: Sampling, step: int) -> Rollouts:
+        """One request a row (prompt, prompt index, sample, turn) of its limit's tokens at most."""
         params = [
             self._params(
                 n=1,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
-                max_tokens=sampling.max_new_tokens,
+                max_tokens=n,
                 stop_token_ids=sorted(self.end_ids),
                 logprobs=0,
-                seed=row_seed(self.seed, step, i, s),
+                seed=row_seed(self.seed, step, i, s, t),
                 detokenize=False,
             )
-            for _, i, s in keys
+            for (_, i, s, t), n in zip(rows, limits, strict=True)
         ]
-        done = self.llm.generate(
-            [self._prompt(prompt_token_ids=list(p)) for p, _, _ in keys], params, use_tqdm=False
-        )
+        prompts = [self._prompt(prompt_token_ids=list(p)) for p, _, _, _ in rows]
+        done = self.llm.generate(prompts, params, use_tqdm=False) if rows else []
         stop = stop_strings(self.decode, list(sampling.stop)) if sampling.stop else None
         out = Rollouts()
-        for (p, i, s), result in zip(keys, done, strict=True):
+        for (p, i, s, _), result in zip(rows, done, strict=True):
             c = result.outputs[0]
             ids = list(c.token_ids)
             lps = [float(step_lps[t].logprob) for t, step_lps in zip(ids, c.logprobs, strict=True)]
@@ -269,9 +283,6 @@ class VLLMEngine(RolloutEngine):
                 if cut is not None:
                     ids, lps, finished = ids[:cut], lps[:cut], True
             out.add(i, s, p, ids, lps, finished)
-        if self.sleeps:  # the training step gets the device back; the weights come again at the sync
-            self.llm.sleep(level=2)
-            self.asleep, self.stale = True, True
         return out
 
     def close(self) -> None:
