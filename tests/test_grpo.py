@@ -458,6 +458,7 @@ REAL = {  # (recipe, world, layout)
     "rl/qwen2.5-coder-1.5b-grpo-code-1dev": ("grpo", 1, "one process"),
     "rl/qwen3-8b-grpo-8dev": ("grpo", 8, "dp_shard=8 (FSDP2)"),
     "rl/qwen2.5-7b-ppo-16dev": ("ppo", 16, "2 groups of dp_shard=8 (FSDP2)"),  # separated placement
+    "rl/qwen2.5-1.5b-distill-7b-8dev": ("distill", 8, "dp_shard=8 (FSDP2)"),
 }
 
 

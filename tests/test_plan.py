@@ -359,6 +359,7 @@ BUNDLED = {  # each bundled config on the devices its name or README gives
     "rl/qwen2.5-coder-1.5b-grpo-code-1dev": ("grpo", 1, "80GB"),
     "rl/qwen3-8b-grpo-8dev": ("grpo", 8, "80GB"),
     "rl/qwen2.5-7b-ppo-16dev": ("ppo", 16, "80GB"),
+    "rl/qwen2.5-1.5b-distill-7b-8dev": ("distill", 8, "80GB"),
 }
 
 

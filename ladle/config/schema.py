@@ -894,6 +894,41 @@ class PPOConfig(RolloutConfig):
         return self
 
 
+class DistillConfig(RolloutConfig):
+    """On-policy distillation (`ladle run distill`, docs/rl.md): the student samples responses, a
+    frozen teacher scores every token of them, and the student moves toward the teacher's
+    next-token distribution at each."""
+
+    teacher: str | None = Field(
+        None,
+        description="the teacher: a ladle run dir or checkpoint, or a Hugging Face folder, of the student's tokenizer (any size; frozen, laid out by `parallel.*` like the student)",
+    )
+    teacher_preset: str | None = Field(
+        None,
+        description="the teacher's shape by a bundled model name (`qwen2.5-7b`), for `ladle plan` where the teacher's folder is not at hand; a run takes the shape from the teacher itself",
+    )
+    loss: Literal["reverse_kl", "forward_kl", "jsd"] = Field(
+        "reverse_kl",
+        description="the divergence at each response token, over the whole vocabulary: `reverse_kl` KL(student||teacher) (on-policy distillation's), `forward_kl` KL(teacher||student), `jsd` GKD's generalised Jensen-Shannon with `beta`",
+    )
+    beta: float = Field(0.5, gt=0, lt=1, description="`jsd`'s mixture: beta x teacher + (1 - beta) x student")
+    num_samples: int = Field(1, ge=1, description="responses sampled per prompt")
+    reward_weight: float = Field(
+        0.0,
+        ge=0,
+        description="with > 0 the rewards (`rewards.terms`) join: REINFORCE on the sampled tokens with each reward minus its prompt group's mean, times this weight (`num_samples` >= 2); the rewards are logged either way",
+    )
+
+    @model_validator(mode="after")
+    def _groups(self):
+        if self.reward_weight > 0 and self.num_samples < 2:
+            raise ValueError(
+                f"distill.reward_weight={self.reward_weight} compares each reward with its prompt group's mean: "
+                "sample at least 2 per prompt (distill.num_samples)"
+            )
+        return self
+
+
 class RewardsConfig(Section):
     """The rewards of the RL recipes (ladle/rl/rewards.py): weighted terms by name."""
 
@@ -1140,6 +1175,7 @@ class LadleConfig(Section):
     reward: RewardConfig = RewardConfig()
     grpo: GRPOConfig = GRPOConfig()
     ppo: PPOConfig = PPOConfig()
+    distill: DistillConfig = DistillConfig()
     rewards: RewardsConfig = RewardsConfig()
     guard: GuardConfig = GuardConfig()
     device: DeviceConfig = DeviceConfig()
@@ -1168,7 +1204,7 @@ class LadleConfig(Section):
                 f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be below "
                 f"train.max_steps ({self.train.max_steps})"
             )
-        for name in ("grpo", "ppo"):
+        for name in ("grpo", "ppo", "distill"):
             env = getattr(self, name).env
             if env is not None and env.max_total_tokens > self.data.seq_len:
                 raise ValueError(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ladle.checkpoint.init_from import resolve_init_from
+from ladle.config.load import apply_preset
 from ladle.config.schema import LadleConfig, ModelConfig
 from ladle.errors import LadleError
 from ladle.models.llama import count_params
@@ -100,7 +102,28 @@ def roles(cfg: LadleConfig, recipe: str) -> list[list[Role]]:
         if cfg.rewards.model:
             critic.append(Role("reward model", _scorer(cfg, cfg.rewards.model), False))
         return [actor, critic] if p.placement == "separated" else [actor + critic]
+    if recipe == "distill":  # the frozen teacher, of its own shape, beside the student
+        group = [policy, Role("teacher", _teacher(cfg), False)]
+        if cfg.rewards.model:
+            group.append(Role("reward model", _scorer(cfg, cfg.rewards.model), False))
+        return [group]
     return [[policy]]
+
+
+def _teacher(cfg: LadleConfig) -> ModelConfig:
+    """The teacher's shape: from `distill.teacher` where it can be read here, else its
+    `teacher_preset`, else the student's."""
+    d = cfg.distill
+    if d.teacher:
+        try:
+            return resolve_init_from(ModelConfig(init_from=d.teacher, max_seq_len=cfg.model.max_seq_len))
+        except LadleError:
+            pass
+    if d.teacher_preset:
+        data = {"model": {"preset": d.teacher_preset, "max_seq_len": cfg.model.max_seq_len}}
+        apply_preset(data)
+        return ModelConfig.model_validate({k: v for k, v in data["model"].items() if k != "preset"})
+    return cfg.model
 
 
 def _scorer(cfg: LadleConfig, path: str | None) -> ModelConfig:
@@ -178,8 +201,8 @@ def estimate(cfg: LadleConfig, recipe: str, lay: Layout, target: Target) -> Esti
         name = group[0].name if group else "engine"
         # the group that generates: the policy's, or a separated placement's engine ranks
         generates = "engine" if recipe == "grpo" and cfg.grpo.placement == "separated" else "policy"
-        if recipe in ("grpo", "ppo") and name == generates:
-            section = cfg.grpo if recipe == "grpo" else cfg.ppo
+        if recipe in ("grpo", "ppo", "distill") and name == generates:
+            section = getattr(cfg, recipe)
             if section.engine == "vllm":
                 part = {"vLLM engine (weights, KV cache)": _engine(cfg, section, target, m)}
             else:
@@ -270,7 +293,7 @@ def _buffers(ts, lay, trained, gather_bytes, reduce_bytes, param_bytes, p) -> in
 
 def _generation(cfg: LadleConfig, recipe: str, lay: Layout, m: act.Micro) -> int:
     """A rollout batch's KV cache (prompt and response) and last-position fp32 logits."""
-    section = cfg.grpo if recipe == "grpo" else cfg.ppo
+    section = getattr(cfg, recipe)
     rows = section.rollout_batch
     length = cfg.data.seq_len + section.max_response_len
     mc = cfg.model
@@ -304,6 +327,18 @@ def _timing(est, cfg, recipe, lay, target, m, mode) -> None:
     fpt = flops_per_token(n, mc.n_layers, mc.n_heads, mc.head_size, cfg.data.seq_len)
     if recipe == "ppo":
         fpt *= 2  # the critic trains alongside (same shape by default)
+    if recipe == "distill":  # the teacher's forward on every token trained (a third of a step)
+        t = _teacher(cfg)
+        fpt += (
+            flops_per_token(
+                count_params(t, exclude_embeddings=True, active=True),
+                t.n_layers,
+                t.n_heads,
+                t.head_size,
+                cfg.data.seq_len,
+            )
+            / 3
+        )
     M = cfg.train.grad_accum_steps
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len * M  # per data-parallel rank
     peak = target.peak_tflops * 1e12 * (1 / 8 if mode == "fp32" else 1)

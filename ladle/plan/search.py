@@ -38,6 +38,11 @@ def _degrees(cfg: LadleConfig, world: int, per_node: int):
                         yield rep, dp // rep, tp, pp, cp, ep
 
 
+# The degrees a recipe refuses before launch (ladle/recipes: the RL recipes' rollouts run under
+# neither PP nor CP; distillation's divergence over the whole vocabulary not under TP either).
+NOT_UNDER = {"grpo": ("pp", "cp"), "ppo": ("pp", "cp"), "distill": ("pp", "cp", "tp")}
+
+
 def layouts(
     cfg: LadleConfig, recipe: str, target: Target, global_batch: int
 ) -> list[tuple[LadleConfig, Layout | None, str]]:
@@ -56,6 +61,11 @@ def layouts(
                 f"the global batch of {global_batch} sequences"
             )
             out.append((c, None, why))
+            continue
+        degree = {"tp": tp, "pp": pp, "cp": cp}
+        refused = [d for d in NOT_UNDER.get(recipe, ()) if degree[d] > 1]
+        if refused:  # what the recipe refuses before launch (its check_layout)
+            out.append((c, None, f"{recipe} does not run under {refused[0].upper()} yet"))
             continue
         train = c.train.model_copy(update={"grad_accum_steps": global_batch // per_step})
         c = c.model_copy(update={"train": train})

@@ -15,6 +15,7 @@ RECIPES = {
     "dpo": "ladle.recipes.dpo",
     "grpo": "ladle.recipes.grpo",
     "ppo": "ladle.recipes.ppo",
+    "distill": "ladle.recipes.distill",
 }
 
 

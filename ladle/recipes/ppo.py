@@ -62,6 +62,7 @@ class PPO(RLRecipe):
                 "ppo.engine: ladle"
             )
         self.check_engine(cfg)
+        self.check_env(cfg)
 
     def placement(self, cfg: LadleConfig):
         if cfg.ppo.placement == "separated":

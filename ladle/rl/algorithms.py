@@ -50,6 +50,8 @@ rank (batch-wide scales, whitening) gets its moments from ladle/rl/stats.py and 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 EPS = 1e-4  # GRPO's: std + EPS
@@ -317,6 +319,33 @@ def value_loss(values, old_values, returns, clip: float = 0.2) -> torch.Tensor:
         return 0.5 * plain
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     return 0.5 * torch.maximum(plain, (clipped - returns) ** 2)
+
+
+# -- on-policy distillation -----------------------------------------------------------------------
+DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
+
+
+def divergence(student: torch.Tensor, teacher: torch.Tensor, kind: str = "reverse_kl", beta: float = 0.5):
+    """Per position (N, V) -> (N,), fp32, the divergence of the student's next-token distribution
+    from the teacher's, both given as logits (at the sampling temperature already):
+
+        reverse_kl   KL(student || teacher) = sum_v p_s (log p_s - log p_t)   (mode seeking)
+        forward_kl   KL(teacher || student) = sum_v p_t (log p_t - log p_s)   (mode covering)
+        jsd          beta KL(teacher || m) + (1 - beta) KL(student || m),
+                     m = beta p_t + (1 - beta) p_s                            (GKD's generalised JSD)
+
+    over the whole vocabulary at each position the student sampled (the exact divergence, not a
+    one-token estimate). The teacher carries no gradient."""
+    if kind not in DIVERGENCES:
+        raise ValueError(f"distill.loss {kind!r}: choose one of {', '.join(DIVERGENCES)}")
+    ls = torch.log_softmax(student.float(), -1)
+    lt = torch.log_softmax(teacher.detach().float(), -1)
+    if kind == "reverse_kl":
+        return (ls.exp() * (ls - lt)).sum(-1)
+    if kind == "forward_kl":
+        return (lt.exp() * (lt - ls)).sum(-1)
+    lm = torch.logsumexp(torch.stack([ls + math.log1p(-beta), lt + math.log(beta)]), 0)
+    return beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
 
 
 # -- diagnostics --------------------------------------------------------------------------------

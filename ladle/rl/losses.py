@@ -14,6 +14,7 @@ from ladle.rl.algorithms import (
     LOSS_AGGS,
     ROLLOUT_CORRECTIONS,
     aggregate,
+    divergence,
     entropy,
     policy_loss,
     rollout_correction,
@@ -228,3 +229,62 @@ class ValueLoss(Loss):
         var_r = var(t["r"], t["r2"])
         ev = 1 - var(t["e"], t["e2"]) / var_r if var_r > 0 else float("nan")
         return {"explained_variance": ev, "value_mean": t["v"] / n}
+
+
+class DistillLoss(Loss):
+    """On-policy distillation's loss on the student's rollouts (`ladle run distill`): at every
+    response position the divergence (`kind`: ladle/rl/algorithms.py `divergence`) of the
+    student's next-token distribution from the frozen `teacher`'s, which runs its forward on the
+    same tokens in the same step (one microbatch of its logits at a time), both at `temperature`.
+    Summed over response tokens, a mean per token. With `reward_weight` > 0 the rewards join as
+    REINFORCE on the sampled tokens: - weight x `advantages` x log p (on-policy: one update per
+    batch). Metrics per token: `teacher_kl` (the reverse KL, whatever the loss), `distill_loss`,
+    and `rollout_logprob_diff` (the trainer's against the sampler's log-probs)."""
+
+    console = ("teacher_kl",)
+
+    def __init__(self, teacher, *, kind: str = "reverse_kl", beta: float = 0.5, temperature: float = 1.0,
+                 reward_weight: float = 0.0):  # fmt: skip
+        divergence(torch.zeros(1, 2), torch.zeros(1, 2), kind, beta)  # the kind checked now
+        self.teacher, self.kind, self.beta = teacher, kind, beta
+        self.temperature, self.reward_weight = temperature, reward_weight
+
+    def count(self, batch: dict):
+        return int((batch["targets"] != IGNORE_INDEX).sum())
+
+    def tokens(self, batch: dict) -> int:
+        return int(batch["lengths"].sum())
+
+    def __call__(self, model, batch: dict) -> LossOut:
+        mask = batch["targets"] != IGNORE_INDEX
+        student = model(batch["tokens"], keep=mask)  # (N, V): the response positions only
+        with torch.no_grad():
+            teacher = self.teacher(batch["tokens"], keep=mask)
+        return self.from_logits(student, teacher, batch)
+
+    def from_logits(self, student: torch.Tensor, teacher: torch.Tensor, batch: dict) -> LossOut:
+        """`student`, `teacher`: logits (N, V) at the N response positions; a teacher of a larger
+        (padded) vocabulary is read over the student's ids alone."""
+        mask = batch["targets"] != IGNORE_INDEX
+        t = self.temperature if self.temperature not in (0, 1) else 1.0
+        student, teacher = student / t, teacher[..., : student.shape[-1]] / t
+        per = divergence(student, teacher, self.kind, self.beta)
+        with torch.no_grad():
+            kl = per.detach() if self.kind == "reverse_kl" else divergence(student, teacher, "reverse_kl")
+        total = per.sum()
+        logps = token_logps(student, batch["targets"][mask])
+        if self.reward_weight:
+            adv = batch["advantages"]
+            adv = adv[:, None].expand_as(mask)[mask] if adv.dim() == 1 else adv[mask]
+            total = total - self.reward_weight * (adv * logps).sum()
+        metrics = {"teacher_kl": kl.sum(), "distill_loss": per.detach().sum()}
+        if "sample_logps" in batch and mask.any():
+            metrics["rollout_logprob_diff_max"] = (logps.detach() - batch["sample_logps"][mask]).abs().amax()
+        return LossOut(total, mask.sum(), metrics)
+
+    def summarize(self, totals: dict, count: int, parts: int) -> dict:
+        n = max(float(count), 1.0)
+        out = {k: float(v) / n for k, v in totals.items() if not k.endswith("_max")}
+        if "rollout_logprob_diff_max" in totals:
+            out["rollout_logprob_diff"] = float(totals["rollout_logprob_diff_max"])
+        return out

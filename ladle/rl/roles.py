@@ -92,12 +92,16 @@ def frozen_reference(cfg: LadleConfig, par: Parallel, device, log: Callable[[str
 
 def load_rewards(cfg: LadleConfig, section: str | None = None) -> tuple[Rewards, dict[str, list[dict]]]:
     """The rule rewards and the prompts' records by split, checked for the fields the rewards read.
-    `section` (`grpo`, `ppo`): an environment of its `env` rewards too, so `rewards.terms` may be []."""
+    `section` (`grpo`, `ppo`, `distill`): an environment of its `env` rewards too, and distillation
+    needs none, so `rewards.terms` may be [] there."""
     env = getattr(cfg, section).env if section else None
     rewards = Rewards(
         cfg.rewards.terms,
         cfg.rewards.file,
-        model=cfg.rewards.model is not None or (env is not None and env.name is not None),
+        # others score too: a reward model, an environment; distillation trains without a reward
+        model=cfg.rewards.model is not None
+        or (env is not None and env.name is not None)
+        or section == "distill",
         on_error=cfg.rewards.on_error,
     )
     splits = {split: PromptSplit(cfg.data.path, split) for split in ("train", "val")}

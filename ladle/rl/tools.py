@@ -343,14 +343,15 @@ class Toolbox:
     def __init__(self, functions: list[Callable], timeout_s: float = 10.0, workers: int = 8):
         self.functions = {f.__name__: f for f in functions}
         self.schemas = [schema(f) for f in functions]
-        self.timeout_s = timeout_s
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ladle-tool")
+        self.timeout_s, self.workers, self.pool = timeout_s, workers, None
 
     def run(self, calls: list[Call]) -> list[str]:
         """Each call's result as text (JSON for what is not a string), or the error to tell the
         model, all calls in flight together."""
         futures = {}
         out: list[str | None] = [None] * len(calls)
+        if self.pool is None:  # started at the first call (and again after a close)
+            self.pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="ladle-tool")
         for k, c in enumerate(calls):
             if c.error is not None:
                 out[k] = f"Error: {c.error}"
@@ -374,4 +375,6 @@ class Toolbox:
         return typing.cast(list[str], out)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
