@@ -715,6 +715,10 @@ class RolloutConfig(Section):
         ge=0,
         description="write this many sampled episodes a rollout batch to `rollouts.jsonl` in the run directory (rank 0's first): step, messages, the token ids as trained, the loss mask, each reward term; `ladle report` shows the last few",
     )
+    routing_replay: bool = Field(
+        False,
+        description="MoE policies: the training forward routes each token to the experts its sampler chose (R3), so the ratio compares the same computation; `routing_agreement` (the share of tokens the trainer routes as the sampler did) is logged either way (ladle's engine; docs/rl.md)",
+    )
     env: EnvConfig | None = Field(
         None,
         description="multi-turn episodes: an environment of yours and/or tools; the model's turns are trained, the messages between them are context (docs/rl.md)",

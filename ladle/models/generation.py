@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from ladle.models.moe import choices
 from ladle.models.prepack import prepacked
 
 
@@ -68,6 +69,9 @@ class Sampled:
     tokens: list[list[int]]
     logps: list[list[float]]
     finished: list[bool]
+    # with `routing`: each row's MoE routing, (prompt + new tokens - 1, MoE layers, k) int16, the
+    # experts the router chose for every token the model read (the last new token is never read)
+    routing: list[torch.Tensor] | None = None
 
 
 @torch.inference_mode()
@@ -121,6 +125,7 @@ def sample(
     sync: Callable[[bool], bool] | None = None,
     seq_multiple: int = 1,
     share_prefix: bool = True,
+    routing: bool = False,
 ) -> Sampled:
     """New tokens for each prompt, each row up to and including a token of `end_ids`.
     `stop(new_tokens)`, called after each token of a row, ends that row when true (see
@@ -141,7 +146,11 @@ def sample(
     step feeds m - 1 pad positions (document id 0: no real token attends to them) before the real
     one. The cache holds m slots a step; the logits of the last position are the real token's.
     Vocabulary-sharded logits (a DTensor) are gathered at that position only.
+
+    `routing`: an MoE model's routing is recorded (`Sampled.routing`), for routing replay.
     """
+    if routing and seq_multiple > 1:
+        raise ValueError("routing is recorded without sequence sharding (seq_multiple 1)")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and every prompt needs at least one token")
     if row_generators is not None and len(row_generators) != len(prompts):
@@ -153,7 +162,7 @@ def sample(
     lps: list[list[float]] = [[] for _ in range(B)]
     done = [False] * B
     if max_new_tokens <= 0:
-        return Sampled(out, lps, done)
+        return Sampled(out, lps, done, [] if routing else None)
     device = next(model.parameters()).device
 
     # Rows with the same prompt (the samples of one) share its prefill: each distinct prompt is
@@ -174,6 +183,10 @@ def sample(
     scale = temperature if temperature > 0 else 1.0
     with prepacked(model, batch=B) if prepack else contextlib.nullcontext():
         logits = last(model(tokens, positions=positions, doc_ids=doc_ids, cache=cache, logits_to_keep=1))
+        steps = []  # each forward's routing: the prefill's (U, P, L, k), then a step's (B, L, k)
+        if routing:
+            c = choices(model)  # (U * P, L, k)
+            steps.append(c.view(U, P, *c.shape[1:]).to(torch.int16).cpu())
         if U < B:
             rows = torch.tensor(rep, device=device)
             cache.select(rows)
@@ -203,8 +216,16 @@ def sample(
             # Finished rows keep decoding (their tokens are dropped): simpler than shrinking the batch.
             step_tokens = nxt[:, None] if m == 1 else torch.cat([pads, nxt[:, None]], 1)
             logits = last(model(step_tokens, positions=pos.expand(B, m), doc_ids=ones, cache=cache))
+            if routing:
+                steps.append(choices(model).to(torch.int16).cpu())
             pos = pos + 1
-    return Sampled(out, lps, done)
+    if not routing:
+        return Sampled(out, lps, done)
+    rows = []
+    for i, p in enumerate(prompts):  # the prompt's prefill (its rows' shared one), then each token fed
+        fed = [steps[1 + s][i] for s in range(len(out[i]) - 1)]
+        rows.append(torch.cat([steps[0][rep[i], P - len(p) :], *(f[None] for f in fed)]))
+    return Sampled(out, lps, done, rows)
 
 
 def last(logits: torch.Tensor) -> torch.Tensor:

@@ -153,15 +153,17 @@ class Block(nn.Module):
             self.post_mlp_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_norms = cfg.post_norms
 
-    def forward(self, x, cos, sin, mask=None, cache=None, layer=0, at=None):
-        """-> (x, router statistics or None for a dense MLP); (B, 1, dim) at `at` (see `Llama.forward`)."""
+    def forward(self, x, cos, sin, mask=None, cache=None, layer=0, at=None, replay=None):
+        """-> (x, router statistics or None for a dense MLP); (B, 1, dim) at `at` (see `Llama.forward`);
+        `replay`: an MoE layer's experts to use (routing replay, `MoE.forward`)."""
         h = to_compute_dtype(self.input_layernorm(x))  # every position: keys and values need it
         if at is not None:
             x = pick(x, at)
         # `at` by keyword: tensor parallelism's input hook on self_attn lays out the positional ones
         a = self.self_attn(h, cos, sin, mask, cache, layer, at=at)
         x = x + (self.post_self_attn_layernorm(a) if self.post_norms else a)
-        y = self.mlp(to_compute_dtype(self.post_attention_layernorm(x)))
+        h = to_compute_dtype(self.post_attention_layernorm(x))
+        y = self.mlp(h) if replay is None else self.mlp(h, replay=replay)
         y, router = y if isinstance(y, tuple) else (y, None)
         return x + (self.post_mlp_layernorm(y) if self.post_norms else y), router
 
@@ -272,6 +274,7 @@ class Llama(nn.Module):
         logits_to_keep=0,
         at=None,
         keep=None,
+        routing=None,
     ):
         """tokens (B, T) -> logits (B, T, vocab), or (B, logits_to_keep, vocab) for the last positions
         ((B, T, 1) scores with `head: score`).
@@ -290,6 +293,8 @@ class Llama(nn.Module):
         parallelism leaves each rank a slice of the positions.
         keep (B, T) bool: the head at those positions only, (N, vocab) in row-major order: the RL
         losses need the logits of response positions, not of the prompts (no TP, as `at`).
+        routing (B, T, MoE layers, k): routing replay, the experts each token goes to in each MoE
+        layer (-1: the router's own choice), as the sampler chose them (ladle/rl/rollout.py).
         """
         if at is not None and (cache is not None or attention is not None or doc_ids is not None):
             raise ValueError("at: plain causal rows only (no KV cache, documents or attention override)")
@@ -313,6 +318,9 @@ class Llama(nn.Module):
             mask = PackedMask(doc_ids)
             if mask.mixed:  # rows without a boundary first (see PackedMask)
                 tokens, positions = tokens[mask.order], positions[mask.order]
+                routing = routing[mask.order] if routing is not None else None
+        if routing is not None and at is not None:
+            raise ValueError("routing replay scores every position: not with `at`")
 
         # A pipeline stage after the first has no embedding: its input is the hidden states.
         x = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, T, dim)
@@ -327,7 +335,11 @@ class Llama(nn.Module):
                 if window_mask is None:
                     window_mask = windowed(mask, window, T, tokens.device)
                 layer_mask = window_mask
-            x, router = layer(x, cos, sin, layer_mask, cache, i, at if n == len(blocks) - 1 else None)
+            replay = None
+            if routing is not None and isinstance(layer.mlp, MoE):
+                replay = routing[:, :, layer.mlp.ordinal]
+            # positional: the activation-checkpointing wrappers pass positional arguments only
+            x, router = layer(x, cos, sin, layer_mask, cache, i, at if n == len(blocks) - 1 else None, replay)
             if router is not None:
                 router_stats.append(router)
         self.router_stats = router_stats

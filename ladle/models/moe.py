@@ -88,17 +88,26 @@ class MoE(nn.Module):
     # Eager under train.compile, like attention: the routing is data-dependent (counts per expert),
     # which would break the graph and recompile as the counts change.
     @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """x (B, T, dim) -> (y (B, T, dim), (aux_loss, z_loss, tokens_per_expert (E,)))."""
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None):
+        """x (B, T, dim) -> (y (B, T, dim), (aux_loss, z_loss, tokens_per_expert (E,))).
+
+        `replay` (B, T, k): experts to route each token to instead of the router's own choice
+        (routing replay: the choice the sampler made), -1 where the router chooses; the weights
+        are the router's probabilities (scores) of the experts used, so it still learns. The
+        router's own choice is left in `self.choice` (N, k), replayed or not, and the experts the
+        tokens went to in `self.used`."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, dim)
         N, E, k = x.shape[0], self.n_experts, self.top_k
         if self.sigmoid:
-            logits, probs, weights, chosen = self._route_sigmoid(x)
+            logits, probs, weights, chosen = self._route_sigmoid(x, replay)
         else:
             logits = F.linear(x, _local(self.gate.weight))  # (N, E)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, chosen = torch.topk(probs, k, dim=-1)  # (N, k) each
+            chosen = self._replayed(chosen, replay)
+            if replay is not None:
+                weights = probs.gather(1, chosen)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
 
@@ -135,7 +144,17 @@ class MoE(nn.Module):
         z = torch.logsumexp(logits.float(), dim=-1).square().mean()
         return y.reshape(shape), (aux, z, counts.detach())
 
-    def _route_sigmoid(self, x: torch.Tensor):
+    def _replayed(self, chosen: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
+        """The router's choice kept as `self.choice`; the experts used: `replay`'s where given."""
+        self.choice = self.used = chosen.detach()
+        if replay is None:
+            return chosen
+        r = replay.reshape(-1, self.top_k).to(device=chosen.device, dtype=chosen.dtype)
+        used = torch.where(r[:, :1] >= 0, r, chosen)
+        self.used = used.detach()  # the experts the tokens went to
+        return used
+
+    def _route_sigmoid(self, x: torch.Tensor, replay: torch.Tensor | None = None):
         """DeepSeek-V3's router, as transformers' `DeepseekV3TopkRouter`: fp32 sigmoid scores;
         experts chosen on score + correction bias, within the `topk_group` best of `n_group`
         groups (a group ranked by the sum of its two best); weights are the plain scores of the
@@ -152,7 +171,7 @@ class MoE(nn.Module):
             choice = choice.masked_fill(
                 ~keep.bool().repeat_interleave(E // self.n_group, dim=1), float("-inf")
             )
-        chosen = choice.topk(k, dim=-1)[1]
+        chosen = self._replayed(choice.topk(k, dim=-1)[1], replay)
         weights = scores.gather(1, chosen)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -162,6 +181,15 @@ class MoE(nn.Module):
         if self.dispatch != "auto":
             return self.dispatch == "grouped_mm"
         return grouped_mm_supported(x.device, x.dtype, self.experts.gate_proj.shape[1:])
+
+
+def choices(model: nn.Module) -> torch.Tensor | None:
+    """The router's own choices of the model's last forward: (N, MoE layers, k), layers in their
+    order (None for a dense model, or before a forward)."""
+    layers = sorted((m for m in model.modules() if isinstance(m, MoE)), key=lambda m: m.ordinal)
+    if not layers or any(getattr(m, "choice", None) is None for m in layers):
+        return None
+    return torch.stack([m.choice for m in layers], 1)
 
 
 @torch.no_grad()

@@ -123,6 +123,7 @@ class GRPO(RLRecipe):
             kl_estimator=g.kl_estimator,
             temperature=g.temperature,
             entropy_coef=g.entropy_coef,
+            routing_replay=g.routing_replay,
             **correction(g),
         )
         loss.all_positions = s.par.sequence_sharded

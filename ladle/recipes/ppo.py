@@ -113,6 +113,7 @@ class PPO(RLRecipe):
             temperature=p.temperature,
             dual_clip=p.dual_clip,
             entropy_coef=p.entropy_coef,
+            routing_replay=p.routing_replay,
             **correction(p),
         )
         loss.console = (*PolicyLoss.console, "value_loss")

@@ -32,6 +32,21 @@ class RLRecipe(Recipe):
                     f"parallel.{name}={degree}: the RL recipes' rollouts run with data parallelism, FSDP and TP, "
                     f"not yet with {name.upper()}; set parallel.{name}: 1"
                 )
+        section, key = getattr(cfg, self.section), f"{self.section}.routing_replay"
+        if section.routing_replay:
+            if cfg.model.moe is None:
+                raise ConfigError(
+                    f"{key}: replays the experts an MoE policy's tokens went to; this model has no MoE layers"
+                )
+            if layout.tp > 1:
+                raise ConfigError(
+                    f"{key} with parallel.tp={layout.tp}: the routing is recorded without TP for now"
+                )
+            if section.engine != "ladle":
+                raise ConfigError(
+                    f"{key} with {self.section}.engine={section.engine}: the routing is recorded by ladle's engine "
+                    f"for now; set {self.section}.engine: ladle"
+                )
 
     def check_paths(self, cfg: LadleConfig) -> None:
         roles.check_paths(cfg)
@@ -107,6 +122,8 @@ def local_engine(s: Setup, section) -> LocalEngine:
         group=s.par.group,  # the ranks of the model's layout (this group of a separated placement)
         seq_multiple=s.par.layout.tp,
         context=s.unit.numerics,
+        # an MoE policy's routing, for routing_agreement and replay (not under TP's sequence shards)
+        routing=s.cfg.model.moe is not None and s.par.layout.tp == 1,
     )
 
 

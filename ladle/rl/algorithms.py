@@ -321,6 +321,18 @@ def value_loss(values, old_values, returns, clip: float = 0.2) -> torch.Tensor:
     return 0.5 * torch.maximum(plain, (clipped - returns) ** 2)
 
 
+# -- routing replay (MoE) -------------------------------------------------------------------------
+def routing_agreement(choices: torch.Tensor, recorded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens routed alike, tokens compared), summed over MoE layers: the trainer's own top-k
+    `choices` (N, L, k) against the sampler's `recorded` (B, T, L, k) (-1 where none was
+    recorded), as sets (the order of the k experts does not matter)."""
+    L, k = choices.shape[1:]
+    rec = recorded.reshape(-1, L, k).to(choices.device).long()
+    valid = rec[:, 0, 0] >= 0
+    same = (choices.sort(-1).values == rec.sort(-1).values).all(-1)  # (N, L)
+    return same[valid].sum(), valid.sum() * L
+
+
 # -- on-policy distillation -----------------------------------------------------------------------
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 

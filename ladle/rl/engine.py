@@ -74,7 +74,8 @@ class RolloutEngine:
 class LocalEngine(RolloutEngine):
     """Samples with the training model in the training processes. `context`: the training
     forward's numerics (autocast; loss-parallel under TP), so sampling log-probs match the
-    loss's; `group`: the ranks of the model's layout, which generate in step."""
+    loss's; `group`: the ranks of the model's layout, which generate in step; `routing`: an MoE
+    policy's routing is recorded with each row (routing replay)."""
 
     def __init__(
         self,
@@ -88,12 +89,13 @@ class LocalEngine(RolloutEngine):
         group=None,
         seq_multiple: int = 1,
         context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        routing: bool = False,
     ):
         # DDP's wrapper adds nothing to a forward without gradients, and hides the model's KV cache
         self.model = model.module if isinstance(model, DistributedDataParallel) else model
         self.seed, self.end_ids, self.decode = seed, end_ids, decode
         self.pad_id, self.batch_size, self.group, self.seq_multiple = pad_id, batch_size, group, seq_multiple
-        self.context = context
+        self.context, self.routing = context, routing  # routing: an MoE policy's, recorded for replay
 
     def sync_weights(self) -> float:
         return 0.0  # the model it samples with is the one being trained
@@ -119,5 +121,6 @@ class LocalEngine(RolloutEngine):
                 batch_size=self.batch_size,
                 group=self.group,
                 seq_multiple=self.seq_multiple,
+                routing=self.routing,
                 **rows,
             )

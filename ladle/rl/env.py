@@ -184,6 +184,7 @@ class Episode:
     finished: bool = True  # ended by the environment or an answer, not by a limit
     failed: str | None = None  # an environment that raised: its description
     last: str = ""  # the last reply's text
+    routing: object = None  # an MoE policy's routing at the last turn (its whole transcript)
 
     def state(self) -> dict:
         """What the other ranks of a tensor-parallel group take from its first (they run no env)."""
@@ -278,6 +279,7 @@ class Episodes:
                 e.tokens += r.response_ids[j]
                 e.mask += [1] * len(r.response_ids[j])
                 e.logps += r.sample_logps[j]
+                e.routing = r.routing[j] if r.routing else None
                 e.turns += 1
             if self.first:
                 self._act([episodes[k] for k in live], [envs[k] for k in live], r)
@@ -286,7 +288,19 @@ class Episodes:
         engine.idle()
         out = Rollouts()
         for e in episodes:
-            out.add(e.prompt_index, e.sample, e.prompt, e.tokens, e.logps, e.finished, mask=e.mask)
+            # the last turn's routing covers the transcript up to its reply (never past it: the
+            # reply ends the episode or context follows it)
+            routing = e.routing if e.routing is not None and e.mask and e.mask[-1] == 1 else None
+            out.add(
+                e.prompt_index,
+                e.sample,
+                e.prompt,
+                e.tokens,
+                e.logps,
+                e.finished,
+                mask=e.mask,
+                routing=routing,
+            )
         return out, episodes
 
     def _act(self, live: list[Episode], envs: list, r: Rollouts) -> None:

@@ -406,7 +406,10 @@ class RolloutLoader:
         return batch
 
     def logps(self, model, batch: dict) -> torch.Tensor:
-        return response_logps(model, batch, self.sampling.temperature, self.all_positions)
+        # routing replay: the policy's forwards route as its sampler did (the reference its own way)
+        replay = model is self.policy and getattr(self.section, "routing_replay", False)
+        routing = batch.get("routing") if replay else None
+        return response_logps(model, batch, self.sampling.temperature, self.all_positions, routing)
 
     # arranging the rows over microbatches and ranks -------------------------------------------
     def arrange(self, chunks: list, parts: dict) -> tuple[list, dict]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from ladle.models.moe import choices
 from ladle.rl.algorithms import (
     IMPORTANCE,
     KL_ESTIMATORS,
@@ -18,6 +19,7 @@ from ladle.rl.algorithms import (
     entropy,
     policy_loss,
     rollout_correction,
+    routing_agreement,
     sampler_kl,
     value_loss,
 )
@@ -68,6 +70,7 @@ class PolicyLoss(Loss):
         correction: str = "none",
         correction_level: str = "token",
         correction_cap: float = 2.0,
+        routing_replay: bool = False,
     ):
         for value, known, name in (
             (importance, IMPORTANCE, "importance"),
@@ -82,7 +85,7 @@ class PolicyLoss(Loss):
         self.kl_coef, self.kl_estimator, self.temperature = kl_coef, kl_estimator, temperature
         self.dual_clip, self.entropy_coef = dual_clip, entropy_coef
         self.correction, self.correction_level = correction, correction_level
-        self.correction_cap = correction_cap
+        self.correction_cap, self.routing_replay = correction_cap, routing_replay
 
     def count(self, batch: dict):
         mask = batch["targets"] != IGNORE_INDEX
@@ -97,7 +100,19 @@ class PolicyLoss(Loss):
     def forward(self, model, batch: dict):
         if self.all_positions:  # tensor parallel: the head cannot pick positions from sequence shards
             return model(batch["tokens"])
-        return model(batch["tokens"], keep=batch["targets"] != IGNORE_INDEX)  # the responses' logits only
+        replay = {"routing": batch["routing"]} if self.routing_replay and "routing" in batch else {}
+        return model(
+            batch["tokens"], keep=batch["targets"] != IGNORE_INDEX, **replay
+        )  # the responses' logits only
+
+    def __call__(self, model, batch: dict) -> LossOut:
+        out = self.from_output(self.forward(model, batch), batch)
+        if "routing" in batch:  # an MoE policy: is it routing as its sampler did? (replayed or not)
+            own = choices(model)
+            if own is not None:
+                agree, n = routing_agreement(own, batch["routing"])
+                out.metrics["routing_agree"], out.metrics["routing_tokens"] = agree.float(), n.float()
+        return out
 
     def from_output(self, logits, batch: dict) -> LossOut:
         """`logits` (N, V) of the response positions (`forward`), or (R, T, V) of every position
@@ -170,7 +185,10 @@ class PolicyLoss(Loss):
 
     def summarize(self, totals: dict, count: int, parts: int) -> dict:
         n = max(float(totals.pop("response_tokens", 0.0)), 1.0)
+        routed = totals.pop("routing_agree", None), totals.pop("routing_tokens", None)
         out = {k: float(v) / n for k, v in totals.items() if not k.endswith("_max")}
+        if routed[1] is not None and float(routed[1]) > 0:  # share of (token, MoE layer) routed alike
+            out["routing_agreement"] = float(routed[0]) / float(routed[1])
         if "rollout_logprob_diff_max" in totals:
             out["rollout_logprob_diff"] = float(totals["rollout_logprob_diff_max"])
         return out

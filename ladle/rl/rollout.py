@@ -51,6 +51,8 @@ class Rollouts:
     finished: list[bool] = field(default_factory=list)  # ended by EOS or a stop string, not the cap
     version: list[int] = field(default_factory=list)  # the policy's optimizer step it was sampled with
     mask: list[list[int]] = field(default_factory=list)  # per response token: 1 the model's, 0 context
+    # an MoE policy's routing as sampled: (tokens read, MoE layers, k) int16 a row, or None
+    routing: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -65,6 +67,7 @@ class Rollouts:
         finished: bool,
         version: int = 0,
         mask: list[int] | None = None,
+        routing: torch.Tensor | None = None,
     ) -> None:
         """One more row."""
         self.prompt_index.append(prompt_index)
@@ -75,6 +78,7 @@ class Rollouts:
         self.finished.append(finished)
         self.version.append(version)
         self.mask.append(list(mask) if mask is not None else [])
+        self.routing.append(routing)
 
     def model_mask(self, k: int) -> list[int]:
         """Row `k`'s mask over its response tokens (1: the model's own)."""
@@ -127,6 +131,7 @@ def rollout(
     seq_multiple: int = 1,
     keys: list[tuple[int, int, int]] | None = None,
     limits: list[int] | None = None,
+    routing: bool = False,
 ) -> Rollouts:
     """`sampling.n` responses to each prompt (token ids; `prompt_index` their global indices, the
     key of their random streams), sampled in batches of `batch_size` rows. A response ends at a
@@ -134,7 +139,8 @@ def rollout(
     caller's to cut) or at the cap. `group`: the ranks that sample together (a laid-out model's;
     None: the world); `seq_multiple`: tensor parallelism's degree (`generation.sample`).
     `keys`: one response to each prompt instead, keyed (prompt index, sample, turn) (an
-    episode's later turns: ladle/rl/env.py), `limits` its tokens at most (the cap otherwise)."""
+    episode's later turns: ladle/rl/env.py), `limits` its tokens at most (the cap otherwise).
+    `routing`: an MoE policy's routing recorded with each row (routing replay)."""
     if keys is not None:
         rows = [(p, *k) for p, k in zip(prompts, keys, strict=True)]
     elif len(prompts) != len(prompt_index):
@@ -175,15 +181,18 @@ def rollout(
                 prepack=ranks == 1,
                 sync=(lambda done: not dist.any_rank(not done, device, group)) if ranks > 1 else None,
                 seq_multiple=seq_multiple,
+                routing=routing,
             )
             if not real:
                 continue
-            for (p, i, s, _), n, ids, lps, fin in zip(
-                chunk, caps, got.tokens, got.logps, got.finished, strict=True
+            routes = got.routing if got.routing is not None else [None] * len(chunk)
+            for (p, i, s, _), n, ids, lps, fin, rt in zip(
+                chunk, caps, got.tokens, got.logps, got.finished, routes, strict=True
             ):
                 if len(ids) > n:  # a row's own limit below the batch's (an episode's token budget)
                     ids, lps, fin = ids[:n], lps[:n], False
-                out.add(i, s, p, ids, lps, fin)
+                    rt = rt[: len(p) + n - 1] if rt is not None else None
+                out.add(i, s, p, ids, lps, fin, routing=rt)
     finally:
         model.train(model_was_training)
     return out
@@ -209,17 +218,27 @@ def sequences(rollouts: Rollouts, pad_id: int = 0, multiple: int = 1) -> dict[st
         targets[k, len(p) - 1 : len(seq) - 1] = own
         if k < len(rollouts.sample_logps) and len(rollouts.sample_logps[k]) == len(r):
             sampled[k, len(p) - 1 : len(seq) - 1] = torch.tensor(rollouts.sample_logps[k])
-    return {"tokens": tokens, "targets": targets, "lengths": torch.tensor(lengths), "sample_logps": sampled}
+    out = {"tokens": tokens, "targets": targets, "lengths": torch.tensor(lengths), "sample_logps": sampled}
+    routes = [(k, x) for k, x in enumerate(rollouts.routing) if x is not None]
+    if routes:  # (R, T, MoE layers, k): the sampler's experts, -1 where none was recorded
+        routing = torch.full((len(lengths), T, *routes[0][1].shape[1:]), -1, dtype=torch.int16)
+        for k, x in routes:
+            routing[k, : len(x)] = x
+        out["routing"] = routing
+    return out
 
 
-def response_logps(model, batch: dict, temperature: float = 1.0, all_positions: bool = False) -> torch.Tensor:
+def response_logps(
+    model, batch: dict, temperature: float = 1.0, all_positions: bool = False, routing=None
+) -> torch.Tensor:
     """log softmax(logits / T) of each response token under `model` (the training forward):
     (R, T) fp32, 0 off the responses. Greedy sampling (T = 0) is scored at T = 1. The head runs
     at the response positions only, or at every position (`all_positions`: tensor parallelism,
     whose sequence shards the head cannot pick from; its vocabulary-sharded logits are scored
-    under loss_parallel)."""
+    under loss_parallel). `routing`: the experts an MoE policy replays (routing replay)."""
     mask = batch["targets"] != IGNORE_INDEX
-    logits = model(batch["tokens"], keep=None if all_positions else mask)
+    replay = {"routing": routing} if routing is not None else {}
+    logits = model(batch["tokens"], keep=None if all_positions else mask, **replay)
     if temperature not in (0, 1):
         logits = logits / temperature
     if all_positions:
