@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ladle-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup setup-vllm setup-extras demo sft-demo lora-demo dpo-demo grpo-demo ppo-demo test test-fast lint format bench clean-demo
+.PHONY: setup setup-vllm setup-extras demo sft-demo lora-demo dpo-demo grpo-demo ppo-demo tool-demo distill-demo test test-fast lint format bench clean-demo
 
 setup: $(STAMP)
 
@@ -193,6 +193,65 @@ export PPO_SUMMARY
 $(PPO)/prompts/meta.json: $(GRPO)/prompts/meta.json
 	$(BIN)/ladle data prepare --task prompts --input $(GRPO)/records/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(PPO)/prompts --val-fraction 0.05
 
+# --- the tool demo: episodes of several turns, where only a tool knows the answer --------------
+TOOLS := runs/tools
+
+tool-demo: setup $(SFT)/run/checkpoints/latest $(TOOLS)/chats/meta.json $(TOOLS)/prompts/meta.json
+	rm -rf $(TOOLS)/sft $(TOOLS)/run
+	$(BIN)/ladle run sft --config configs/tiny/tools-sft.yaml $(PRECISION_OPT)
+	$(BIN)/ladle run grpo --config configs/tiny/tools.yaml $(PRECISION_OPT)
+	@$(BIN)/python -c "$$TOOL_SUMMARY"
+
+define TOOL_SUMMARY
+import json
+val = [r for r in map(json.loads, open('$(TOOLS)/run/metrics.jsonl')) if 'val_reward_mean' in r]
+f, l = val[0], val[-1]
+print(f"tool-demo: held-out items' prices right {f['val_reward_mean']:.0%} before, {l['val_reward_mean']:.0%} after "
+      f"{l['step']} steps (sampled); tool calls an episode {f['val_tool_calls_mean']:.2f} -> {l['val_tool_calls_mean']:.2f}, "
+      f"turns {f['val_turns_mean']:.2f} -> {l['val_turns_mean']:.2f}; episodes in $(TOOLS)/run/rollouts.jsonl")
+endef
+export TOOL_SUMMARY
+
+# The task and the warm-up chats (configs/tiny/lookup_tool.py), in Qwen's format (built-in `qwen`).
+$(TOOLS)/task/records.jsonl: configs/tiny/lookup_tool.py
+	$(BIN)/python configs/tiny/lookup_tool.py $(TOOLS)/task
+
+$(TOOLS)/chats/meta.json: $(TOOLS)/task/records.jsonl $(DEMO)/tokenizer/tokenizer.json
+	$(BIN)/ladle data prepare --task sft --template qwen --input $(TOOLS)/task/chats.jsonl --tokenizer $(DEMO)/tokenizer --output $(TOOLS)/chats --val-fraction 0.02
+
+$(TOOLS)/prompts/meta.json: $(TOOLS)/task/records.jsonl $(DEMO)/tokenizer/tokenizer.json
+	$(BIN)/ladle data prepare --task prompts --template qwen --input $(TOOLS)/task/records.jsonl --tokenizer $(DEMO)/tokenizer --output $(TOOLS)/prompts --val-fraction 0.1
+
+# --- the distillation demo: the SFT demo's model taught by the GRPO demo's, on its own answers ----
+DISTILL := runs/distill
+
+distill-demo: setup $(GRPO)/run/checkpoints/latest $(DISTILL)/prompts/meta.json
+	rm -rf $(DISTILL)/run
+	$(GRPO_EVAL) --model $(SFT)/run > $(DISTILL)/before.json
+	$(GRPO_EVAL) --model $(GRPO)/run > $(DISTILL)/teacher.json
+	$(BIN)/ladle run distill --config configs/tiny/distill.yaml $(PRECISION_OPT)
+	$(GRPO_EVAL) --model $(DISTILL)/run > $(DISTILL)/after.json
+	@$(BIN)/python -c "$$DISTILL_SUMMARY"
+
+define DISTILL_SUMMARY
+import json
+recs = [json.loads(l) for l in open('$(DISTILL)/run/metrics.jsonl')]
+val = [r for r in recs if 'val_reward_mean' in r]
+kl = [r['teacher_kl'] for r in recs if 'teacher_kl' in r]
+b, t, a = (json.load(open(f'$(DISTILL)/{n}.json')) for n in ('before', 'teacher', 'after'))
+print(f"distill-demo: held-out task accuracy (greedy) {b['accuracy']:.0%} before, {a['accuracy']:.0%} after (the teacher "
+      f"{t['accuracy']:.0%}); sampled {val[0]['val_reward_mean']:.0%} -> {val[-1]['val_reward_mean']:.0%}; reverse KL to the "
+      f"teacher per token {kl[0]:.3f} -> {kl[-1]:.3f}")
+endef
+export DISTILL_SUMMARY
+
+# The GRPO demo's prompts, 5% held out for validation.
+$(DISTILL)/prompts/meta.json: $(GRPO)/prompts/meta.json
+	$(BIN)/ladle data prepare --task prompts --input $(GRPO)/records/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(DISTILL)/prompts --val-fraction 0.05
+
+$(GRPO)/run/checkpoints/latest:
+	$(MAKE) grpo-demo
+
 $(DPO)/reward/checkpoints/latest:
 	$(MAKE) dpo-demo
 
@@ -207,7 +266,7 @@ $(SFT)/data/meta.json: $(DEMO)/tokenizer/tokenizer.json
 	$(BIN)/ladle data prepare --task sft --input $(SFT)/task/train.jsonl --tokenizer $(DEMO)/tokenizer --output $(SFT)/data --val-fraction 0.02
 
 clean-demo:
-	rm -rf $(DEMO) $(SFT) $(DPO) $(GRPO) $(PPO)
+	rm -rf $(DEMO) $(SFT) $(DPO) $(GRPO) $(PPO) $(TOOLS) $(DISTILL)
 
 # --- checks -------------------------------------------------------------------------------
 test: setup

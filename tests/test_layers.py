@@ -37,6 +37,8 @@ def modules() -> dict[str, Path]:
     out = {}
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[1] == "configs":  # a config's own Python (a demo's environment), imported by path
+            continue
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
