@@ -37,31 +37,16 @@ their context. An environment that raises is a failure named like a reward's (`r
 from __future__ import annotations
 
 import copy
-import importlib.util
 import inspect
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from ladle import distributed as dist
 from ladle.errors import ConfigError
 from ladle.rl import tools as T
+from ladle.rl.rewards import load_user_file
 from ladle.rl.rollout import Rollouts, Sampling
 
 MARK = "LADLE_REPLY"  # the base conversation's assistant text, found in its rendering
-
-
-def load_file(path: str, key: str):
-    """A user's Python module (`env.file`), run only because the config names it."""
-    p = Path(path)
-    if not p.is_file() or p.suffix != ".py":
-        raise ConfigError(f"{key} {path}: not a Python file (.py) that exists")
-    spec = importlib.util.spec_from_file_location(f"ladle_user_env_{abs(hash(str(p.resolve())))}", p)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise ConfigError(f"{key} {path} failed to import: {type(e).__name__}: {e}") from e
-    return module
 
 
 def _takes(fn, args: tuple, where: str, shape: str) -> None:
@@ -71,11 +56,11 @@ def _takes(fn, args: tuple, where: str, shape: str) -> None:
         raise ConfigError(f"{where} must be {shape}; see docs/rl.md (Environments)") from None
 
 
-def env_class(env, key: str) -> type | None:
-    """The environment class `env.name` of `env.file` (None: the tools alone), its shape checked."""
+def env_class(env, key: str, module) -> type | None:
+    """The environment class `env.name` of `module` (`env.file`'s; None: the tools alone), its
+    shape checked."""
     if env.name is None:
         return None
-    module = load_file(env.file, f"{key}.file")
     cls = getattr(module, env.name, None)
     if not isinstance(cls, type):
         defined = sorted(k for k, v in vars(module).items() if isinstance(v, type) and not k.startswith("_"))
@@ -97,11 +82,10 @@ def env_class(env, key: str) -> type | None:
     return cls
 
 
-def toolbox(env, key: str) -> T.Toolbox | None:
-    """The run's tools: functions of `env.file`, or `python` (the sandboxed interpreter)."""
+def toolbox(env, key: str, module) -> T.Toolbox | None:
+    """The run's tools: functions of `module` (`env.file`'s), or `python` (the sandboxed interpreter)."""
     if not env.tools:
         return None
-    module = load_file(env.file, f"{key}.file") if env.file else None
     functions = []
     for name in env.tools:
         fn = getattr(module, name, None) if module is not None else None
@@ -222,8 +206,9 @@ class Episodes:
     ):
         self.cfg, self.key = env, key
         self.max_total = env.max_total_tokens or max_len  # an episode's tokens at most
-        self.cls = env_class(env, key)
-        self.tools = toolbox(env, key)
+        module = load_user_file(env.file, f"{key}.file") if env.file else None  # imported once
+        self.cls = env_class(env, key, module)
+        self.tools = toolbox(env, key, module)
         schemas = self.tools.schemas if self.tools else []
         self.format = None
         if self.tools:

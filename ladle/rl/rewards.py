@@ -359,20 +359,22 @@ REGISTRY = {
 }
 
 
-def load_reward_file(path: str | os.PathLike):
-    """The module of a user's reward file: run only because the user named it (config or command
-    line), never a path from the data."""
+def load_user_file(path: str | os.PathLike, key: str = "rewards.file"):
+    """The module of a user's Python file (`rewards.file`, an environment's `env.file`): run only
+    because the user named it (config or command line), never a path from the data; `key` names
+    it in the errors."""
     import importlib.util
 
     p = Path(path)
     if not p.is_file() or p.suffix != ".py":
-        raise ConfigError(f"rewards.file {path}: not a Python file (.py) that exists")
-    spec = importlib.util.spec_from_file_location(f"ladle_user_rewards_{abs(hash(str(p.resolve())))}", p)
+        raise ConfigError(f"{key} {path}: not a Python file (.py) that exists")
+    name = f"ladle_user_{key.replace('.', '_')}_{abs(hash(str(p.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, p)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        raise ConfigError(f"rewards.file {path} failed to import: {type(e).__name__}: {e}") from e
+        raise ConfigError(f"{key} {path} failed to import: {type(e).__name__}: {e}") from e
     return module
 
 
@@ -422,7 +424,7 @@ class Rewards:
                 "rewards.terms: name at least one reward (or a reward model, rewards.model, or an environment "
                 "that rewards, grpo.env / ppo.env)"
             )
-        module = load_reward_file(file) if file else None
+        module = load_user_file(file) if file else None
         self.terms: list[tuple[str, float, Callable]] = []
         for i, term in enumerate(terms):
             where = f"rewards.terms[{i}]"
