@@ -533,7 +533,10 @@ def test_environments_and_tools_are_refused_by_name_before_launch(
     refused("has no tool format", tools=["lookup"])
     refused("grpo.env: name 'Feedback' needs `file`, the Python file that defines it", file=None)
     refused("grpo.env.max_total_tokens (100) exceeds data.seq_len (64)", max_total_tokens=100)
-    refused("grpo.env with grpo.placement=separated", top={"grpo": {"placement": "separated"}})
+    refused(
+        "ppo.env with ppo.placement=separated",
+        top={"ppo": {"placement": "separated", "env": {"tools": ["python"]}}},
+    )
     assert not (tmp_path / "never").exists()
 
 
@@ -612,3 +615,30 @@ def test_ppo_trains_on_episodes_with_values_on_the_models_tokens(
     assert len(recs) == 4 and all(r["turns_mean"] > 1.2 for r in recs)
     assert all(math.isfinite(r["value_loss"]) and math.isfinite(r["loss"]) for r in recs)
     assert recs[0]["rollout_logprob_diff"] < 1e-4
+
+
+def test_episodes_on_separated_engine_ranks_equal_the_shared_run(
+    chat_tokenizer, prompt_data, tmp_path, env_file
+):
+    # grpo.placement: separated, max_staleness 0: the engine's rank runs the episodes (its
+    # environments beside it) from the weights just sent; every step equals the shared run
+    import yaml
+    from test_separated import run_cli
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    cfg = env_run_config(chat_tokenizer, prompt_data, tmp_path, env_file)
+    cfg["train"].update(threads=1)
+    cfg["grpo"]["log_rollouts"] = 0
+    cfg["optim"]["lr"] = 3e-3
+    assert load("grpo").run(build_config(cfg)) == "completed"
+    shared = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    apart = run_cli(path, tmp_path / "apart", "grpo.placement=separated")
+    assert len(apart) == len(shared) == 4
+    for a, b in zip(shared, apart, strict=True):
+        for key in ("reward_mean", "reward_env_mean", "turns_mean", "response_len_mean", "loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)

@@ -809,11 +809,6 @@ class GRPOConfig(RolloutConfig):
                 f"grpo.max_staleness={self.max_staleness} generates while the trainer trains, which needs "
                 "engine ranks of their own: set grpo.placement: separated (or max_staleness: 0)"
             )
-        if self.placement == "separated" and self.env is not None:
-            raise ValueError(
-                "grpo.env with grpo.placement=separated: multi-turn episodes run in the trainer's processes "
-                "for now; use grpo.placement: shared"
-            )
         if self.placement == "separated" and self.dynamic_sampling:
             raise ValueError(
                 "grpo.dynamic_sampling with grpo.placement=separated: DAPO's refill samples more prompts "

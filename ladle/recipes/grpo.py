@@ -20,9 +20,10 @@ from __future__ import annotations
 import functools
 
 from ladle.config import LadleConfig
+from ladle.data.prompts import PromptSplit
 from ladle.recipes.base import Setup, Training
 from ladle.recipes.rl import RLRecipe, compute_dtype, correction, every_batch, local_engine, rollout_loader
-from ladle.rl import roles, vllm
+from ladle.rl import env, roles, vllm
 from ladle.rl.advantages import group_advantages
 from ladle.rl.loader import end_ids, sampling_of
 from ladle.rl.losses import PolicyLoss
@@ -97,8 +98,8 @@ class GRPO(RLRecipe):
 
         def wrap(loader, evaluate):
             loader.close()
+            tok = s.found["tokenizer"]
             if g.engine == "vllm":  # in an engine process of its own, fed by the trainer rank
-                tok = s.found["tokenizer"]
                 engine = vllm.VLLMEngine(
                     None, s.cfg.model, optimizer=None, seed=s.cfg.seed, end_ids=end_ids(tok), decode=tok.decode,
                     dtype=compute_dtype(s), max_len=s.cfg.data.seq_len, engine_args=g.engine_args,
@@ -106,7 +107,14 @@ class GRPO(RLRecipe):
                 )  # fmt: skip
             else:
                 engine = local_engine(s, g)
-            return EngineSide(pair, engine, s.unit.model, sampling_of(g)), evaluate
+            # multi-turn episodes run on the engine's ranks, which turn together (their group)
+            share = (s.par.shared_group, s.par.shared_rank == 0)
+            episodes = env.episodes_for(s.cfg, "grpo", tok, end_ids(tok), share, group=s.par.group)
+            records = {split: PromptSplit(s.cfg.data.path, split).records for split in ("train", "val")}
+            side = EngineSide(
+                pair, engine, s.unit.model, sampling_of(g), episodes, records if episodes else None
+            )
+            return side, evaluate
 
         return Training(self.samples, loss, wrap, functools.partial(EngineTrainer, pair=pair))
 

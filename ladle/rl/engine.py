@@ -70,6 +70,11 @@ class RolloutEngine:
         """The batch's generation is over (after an episode's last turn): an engine may release
         its memory until the next sync."""
 
+    def run_episodes(self, episodes, records: list[dict], index: list[int], sampling: Sampling, *, step: int):
+        """Multi-turn episodes of the prompts `index` (ladle/rl/env.py `Episodes`), turn by turn
+        on this engine: (Rollouts, episodes). A separated engine runs them on its own ranks."""
+        return episodes.run(self, records, index, sampling, step=step)
+
 
 class LocalEngine(RolloutEngine):
     """Samples with the training model in the training processes. `context`: the training

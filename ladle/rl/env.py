@@ -190,7 +190,9 @@ class Episodes:
     """Runs a batch's episodes turn by turn (see the module docstring). `env`: the config's
     `grpo.env`/`ppo.env` section; `template`: the prompts' chat template; `end_ids`: the tokens
     that end a turn; `share`: (group, first?) of the ranks that hold the same rows (tensor
-    parallelism), whose first runs the environments and tools and hands the others the result."""
+    parallelism), whose first runs the environments and tools and hands the others the result;
+    `group`: the ranks that generate together and so run as many turns (None: the world; a
+    separated placement's engine ranks)."""
 
     def __init__(
         self,
@@ -203,6 +205,7 @@ class Episodes:
         end_ids: set[int],
         max_len: int,
         share=(None, True),
+        group=None,
     ):
         self.cfg, self.key = env, key
         self.max_total = env.max_total_tokens or max_len  # an episode's tokens at most
@@ -215,7 +218,8 @@ class Episodes:
             self.format = env.tool_format if env.tool_format != "auto" else T.detect(template, source)
         self.transcript = Transcript(tok, template, schemas, source)
         self.tok, self.end_ids = tok, end_ids
-        self.group, self.first = share
+        self.share, self.first = share
+        self.turn_group = group
 
     def make(self):
         return self.cls(**copy.deepcopy(self.cfg.kwargs)) if self.cls is not None else ToolsOnly()
@@ -245,7 +249,7 @@ class Episodes:
         device = dist.collective_device()
         turn = 0
         # every rank runs as many turns (a laid-out model generates together: FSDP, TP)
-        while dist.any_rank(any(not e.done for e in episodes), device):
+        while dist.any_rank(any(not e.done for e in episodes), device, self.turn_group):
             live = [k for k, e in enumerate(episodes) if not e.done]
             r = engine.generate_rows(
                 [episodes[k].prompt + episodes[k].tokens for k in live],
@@ -358,9 +362,9 @@ class Episodes:
 
     def _share(self, episodes: list[Episode]) -> None:
         """Tensor parallelism: the group's first rank's episodes, on every rank of the group."""
-        if self.group is None or dist.world_size(self.group) == 1:
+        if self.share is None or dist.world_size(self.share) == 1:
             return
-        states = dist.all_gather_objects([e.state() for e in episodes] if self.first else None, self.group)[0]
+        states = dist.all_gather_objects([e.state() for e in episodes] if self.first else None, self.share)[0]
         for e, s in zip(episodes, states, strict=True):
             vars(e).update(s)
 
@@ -378,7 +382,7 @@ def _check_messages(messages, method: str) -> None:
         )
 
 
-def episodes_for(cfg, name: str, tok, end_ids: set[int], share=(None, True)) -> Episodes | None:
+def episodes_for(cfg, name: str, tok, end_ids: set[int], share=(None, True), group=None) -> Episodes | None:
     """The Episodes of the RL section `name` (`grpo`, `ppo`) when it has an `env`, on the prompts'
     chat template (the one `ladle data prepare --task prompts` rendered them with)."""
     section = getattr(cfg, name)
@@ -398,4 +402,5 @@ def episodes_for(cfg, name: str, tok, end_ids: set[int], share=(None, True)) -> 
         end_ids=end_ids,
         max_len=cfg.data.seq_len,
         share=share,
+        group=group,
     )

@@ -252,7 +252,9 @@ class RolloutLoader:
         self.sync_s += self.engine.sync_weights()
         eps = None
         if self.episodes is not None:
-            r, eps = self.episodes.run(self.engine, self.records[split], index, self.sampling, step=step)
+            r, eps = self.engine.run_episodes(
+                self.episodes, self.records[split], index, self.sampling, step=step
+            )
         else:
             r = self.engine.generate(prompts, index, self.sampling, step=step)
         rew, terms = self.score(r, prompts, index, split, step, eps)

@@ -226,8 +226,9 @@ class EngineClient(RolloutEngine):
     def receive(self) -> None:
         t0 = time.perf_counter()
         for b, first, version in self.waiting:
-            r = self.pair.recv()
-            r.version = [version] * len(r)
+            r = self.pair.recv()  # Rollouts, or (Rollouts, episodes) of multi-turn episodes
+            rollouts = r[0] if isinstance(r, tuple) else r
+            rollouts.version = [version] * len(rollouts)
             self.ready[(b, first)] = r
         self.waiting = []
         self.wait_s += time.perf_counter() - t0
@@ -249,8 +250,14 @@ class EngineClient(RolloutEngine):
             return self.pair.recv()
         r = self.ready.pop((step, prompt_index[0]))
         now = self.clock()
-        self.ages += [now - v for v in r.version]
+        rollouts = r[0] if isinstance(r, tuple) else r
+        self.ages += [now - v for v in rollouts.version]
         return r
+
+    def run_episodes(self, episodes, records, index, sampling, *, step: int):
+        """The episodes the engine's ranks ran (EngineSide), asked for with the batch's prompts;
+        the trainer's `episodes` and `records` stay unused here."""
+        return self.generate(None, index, sampling, step=step)
 
     def validated(self) -> None:
         self.pair.tell("validated")
@@ -275,8 +282,13 @@ class EngineSide:
 
     console = ()
 
-    def __init__(self, pair: Pair, engine: RolloutEngine, model: torch.nn.Module, sampling):
+    def __init__(
+        self, pair: Pair, engine: RolloutEngine, model: torch.nn.Module, sampling, episodes=None, records=None
+    ):
         self.pair, self.engine, self.model, self.sampling = pair, engine, model, sampling
+        # multi-turn episodes (ladle/rl/env.py) run here, the environments and tools beside the
+        # engine; `records`: the prompts' records by split, which the environments start from
+        self.episodes, self.records = episodes, records
         self.data_s = self.gen_s = 0.0
 
     def serve(self) -> str:
@@ -292,12 +304,17 @@ class EngineSide:
                 kind = msg[1] if msg[0] == "tell" else msg[0]
                 break
         # all generated before any is sent: a send waits for the trainer's receive, at its step's end
-        done = [
-            self.engine.generate(prompts, index, self.sampling, step=step) for step, prompts, index in asked
-        ]
+        done = [self.generate(step, prompts, index) for step, prompts, index in asked]
         for r in done:
             self.pair.send(r)
         return kind
+
+    def generate(self, step: int, prompts, index):
+        """The rollouts asked for: responses, or (Rollouts, episodes) of multi-turn episodes."""
+        if self.episodes is None:
+            return self.engine.generate(prompts, index, self.sampling, step=step)
+        split = "val" if step == VALIDATION_STEP else "train"
+        return self.episodes.run(self.engine, self.records[split], index, self.sampling, step=step)
 
     @torch.no_grad()
     def receive_weights(self, version: int, names) -> None:
@@ -343,6 +360,8 @@ class EngineSide:
 
     def close(self) -> None:
         self.engine.close()
+        if self.episodes is not None:
+            self.episodes.close()
 
 
 class LinkedTrainer(Trainer):
