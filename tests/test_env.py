@@ -106,8 +106,9 @@ class Scripted(RolloutEngine):
     """Replies by key (prompt index, sample, turn): text encoded, an end token after it (unless
     `cut`), log-probs -0.5 each."""
 
-    def __init__(self, tok, replies, end_id, cut=()):
+    def __init__(self, tok, replies, end_id, cut=(), routing=False):
         self.tok, self.replies, self.end_id, self.cut, self.asked = tok, replies, end_id, set(cut), []
+        self.routing = routing  # each turn's routing: its turn number at every position it read
 
     def sync_weights(self):
         return 0.0
@@ -119,7 +120,12 @@ class Scripted(RolloutEngine):
             ids = self.tok.encode(self.replies[key]) + ([] if key in self.cut else [self.end_id])
             fin = key not in self.cut and len(ids) <= n
             ids = ids[:n]
-            out.add(key[0], key[1], ctx, ids, [-0.5] * len(ids), fin)
+            rt = (
+                torch.full((len(ctx) + len(ids) - 1, 1, 1), key[2], dtype=torch.int16)
+                if self.routing
+                else None
+            )
+            out.add(key[0], key[1], ctx, ids, [-0.5] * len(ids), fin, routing=rt)
         return out
 
 
@@ -211,6 +217,44 @@ def test_a_cut_reply_a_budget_and_max_turns_end_an_episode_truncated(chat_tokeni
     assert e.turns == 2 and not e.finished and r.mask[0][-1] == 1  # the cut reply is the last
     r, (e,) = run(max_total_tokens=40)
     assert not e.finished and len(r.prompt_ids[0]) + len(r.response_ids[0]) <= 40 and r.mask[0][-1] == 1
+    # an environment that is done on a cut reply still leaves it truncated (DAPO's mask_truncated)
+    cfg = env_cfg(file=str(env_file), name="Feedback", kwargs={"turns": 1})
+    eps = Episodes(
+        cfg, "grpo.env", tok=tok, template=template, source="chatml", end_ids=end_ids(tok), max_len=400
+    )
+    r, (e,) = eps.run(
+        Scripted(tok, {(0, 0, 0): "a reply"}, end, {(0, 0, 0)}),
+        {0: {"prompt": "hi"}},
+        [0],
+        Sampling(n=1),
+        step=0,
+    )
+    assert e.turns == 1 and not e.finished and not r.finished[0]
+
+
+def test_each_reply_keeps_the_routing_of_its_own_turn(chat_tokenizer, env_file):
+    # routing replay over turns: a reply's positions as its own turn decoded them, the context
+    # after it as the next turn's prefill read it (the scripted engine writes its turn number)
+    from ladle.data.tokenizer import load_tokenizer
+    from ladle.rl.loader import end_ids
+
+    tok = load_tokenizer(chat_tokenizer)
+    cfg = env_cfg(file=str(env_file), name="Feedback", kwargs={"turns": 3})
+    eps = Episodes(
+        cfg, "grpo.env", tok=tok, template=ChatTemplate(BUILTIN["chatml"]), source="chatml", end_ids=end_ids(tok),
+        max_len=400,
+    )  # fmt: skip
+    engine = Scripted(
+        tok, {(0, 0, t): f"reply {t}" for t in range(3)}, tok.token_to_id("<|im_end|>"), routing=True
+    )
+    r, (e,) = eps.run(engine, {0: {"prompt": "hi"}}, [0], Sampling(n=1), step=0)
+    p, mask, rt = len(r.prompt_ids[0]), r.mask[0], r.routing[0][:, 0, 0].tolist()
+    assert len(rt) == p + len(mask) - 1  # every position read (the last token never is)
+    # turn t read every position before its reply's last token: a position's record is the
+    # first turn that read it (a reply's tokens: its own turn; the context: the next one's prefill)
+    ends = [p + j - 1 for j in range(1, len(mask)) if mask[j - 1] == 1 and mask[j] == 0] + [p + len(mask) - 1]
+    assert len(ends) == e.turns == 3
+    assert rt == [min(t for t, end in enumerate(ends) if q < end) for q in range(len(rt))]
 
 
 # -- tools -----------------------------------------------------------------------------------------
@@ -367,14 +411,16 @@ def test_malformed_calls_become_messages_to_the_model(tmp_path):
         T.Call("boom", {"y": 1}), bad,
     ]  # fmt: skip
     t0 = time.perf_counter()
-    out = box.run(calls)
-    assert time.perf_counter() - t0 < 2.5
+    out = box.run(calls + [T.Call("slow", {"s": 3.0})])  # two slow calls: one limit for the turn
+    assert time.perf_counter() - t0 < 2.0
     assert out[0] == "woke"
     assert out[1] == "Error: slow timed out after 0.5 s"
     assert out[2] == "Error: boom raised RuntimeError: no luck"
     assert out[3] == "Error: no tool named 'nope'; the tools are slow, boom"
     assert out[4].startswith("Error: wrong arguments for boom:")
     assert out[5].startswith("Error: the tool call is not valid JSON")
+    assert out[6] == "Error: slow timed out after 0.5 s"
+    assert box.run([T.Call("slow", {"s": 0.0})]) == ["woke"]  # a fresh pool, not the busy one
     box.close()
 
 

@@ -93,6 +93,11 @@ class Distill(RLRecipe):
     section = "distill"
 
     def check_layout(self, cfg: LadleConfig, layout) -> None:
+        if cfg.distill.routing_replay:
+            raise ConfigError(
+                "distill.routing_replay: the distillation loss does not replay the sampler's routing yet; "
+                "remove it (routing_agreement is a GRPO and PPO figure)"
+            )
         super().check_layout(cfg, layout)
         if layout.tp > 1:
             raise ConfigError(

@@ -40,6 +40,8 @@ import copy
 import inspect
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from ladle import distributed as dist
 from ladle.errors import ConfigError
 from ladle.rl import tools as T
@@ -268,7 +270,9 @@ class Episodes:
                 e.tokens += r.response_ids[j]
                 e.mask += [1] * len(r.response_ids[j])
                 e.logps += r.sample_logps[j]
-                e.routing = r.routing[j] if r.routing else None
+                if r.routing and r.routing[j] is not None:  # earlier positions keep their own turn's
+                    prev = e.routing if e.routing is not None else r.routing[j][:0]
+                    e.routing = torch.cat([prev, r.routing[j][len(prev) :]])
                 e.turns += 1
             if self.first:
                 self._act([episodes[k] for k in live], [envs[k] for k in live], r)
@@ -277,8 +281,8 @@ class Episodes:
         engine.idle()
         out = Rollouts()
         for e in episodes:
-            # the last turn's routing covers the transcript up to its reply (never past it: the
-            # reply ends the episode or context follows it)
+            # the routing of every position the model read: a reply's tokens as its own turn
+            # decoded them, the context as the next turn's prefill read it
             routing = e.routing if e.routing is not None and e.mask and e.mask[-1] == 1 else None
             out.add(
                 e.prompt_index,
@@ -336,10 +340,14 @@ class Episodes:
 
     def _next(self, e: Episode, messages: list[dict], done: bool, reply: list[int], finished: bool) -> None:
         """The episode ends, or the messages after its reply join the transcript as context."""
+        if not finished:  # a reply cut by the cap or the budget: truncated, whatever followed it
+            e.done, e.finished = True, False
+            return
         if done:
             e.done = True
+            e.messages += messages  # the environment's last word, for the logs (never trained on)
             return
-        if not finished or e.turns >= self.cfg.max_turns:  # cut by the cap, or out of turns
+        if e.turns >= self.cfg.max_turns:  # out of turns
             e.done, e.finished = True, False
             return
         end = (
@@ -349,8 +357,11 @@ class Episodes:
         )
         try:
             more = self.transcript.after(messages, end)
-        except Exception as x:
-            e.failed, e.done, e.finished = _describe(self.cls, x, "step"), True, False
+        except Exception as x:  # the template cannot render what the environment or a tool gave
+            why = (
+                f"the chat template ({self.transcript.source}) cannot render the messages after a reply: {x}"
+            )
+            e.failed, e.done, e.finished = why, True, False
             return
         if len(e.prompt) + len(e.tokens) + len(more) >= self.max_total:  # no room for another reply
             e.done, e.finished = True, False

@@ -107,11 +107,13 @@ class PolicyLoss(Loss):
 
     def __call__(self, model, batch: dict) -> LossOut:
         out = self.from_output(self.forward(model, batch), batch)
-        if "routing" in batch:  # an MoE policy: is it routing as its sampler did? (replayed or not)
-            own = choices(model)
-            if own is not None:
-                agree, n = routing_agreement(own, batch["routing"])
-                out.metrics["routing_agree"], out.metrics["routing_tokens"] = agree.float(), n.float()
+        own = choices(model)
+        if own is not None:  # an MoE policy: is it routing as its sampler did? (replayed or not)
+            # every microbatch of every rank reports both (0 where none was recorded): the
+            # step's reduction takes the same metrics from each
+            zero = own.new_zeros((), dtype=torch.float32)
+            agree, n = routing_agreement(own, batch["routing"]) if "routing" in batch else (zero, zero)
+            out.metrics["routing_agree"], out.metrics["routing_tokens"] = agree.float(), n.float()
         return out
 
     def from_output(self, logits, batch: dict) -> LossOut:

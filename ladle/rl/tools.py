@@ -335,12 +335,12 @@ def python_tool(wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512, max_
 
 
 class Toolbox:
-    """The run's tools by name, their schemas, and a pool that runs calls with a time limit each
-    (`timeout_s`). A call past its limit is answered with a timeout and left to finish in its
-    thread (Python cannot stop a thread); a tool that must be stopped runs its work in the
-    sandbox, as `python` does."""
+    """The run's tools by name, their schemas, and a pool that runs a turn's calls side by side,
+    each within `timeout_s` of the turn's start. A call past its limit is answered with a timeout
+    and left to finish in its thread (Python cannot stop a thread), the pool it holds given up
+    for a fresh one; a tool that must be stopped runs its work in the sandbox, as `python` does."""
 
-    def __init__(self, functions: list[Callable], timeout_s: float = 10.0, workers: int = 8):
+    def __init__(self, functions: list[Callable], timeout_s: float = 10.0, workers: int = 64):
         self.functions = {f.__name__: f for f in functions}
         self.schemas = [schema(f) for f in functions]
         self.timeout_s, self.workers, self.pool = timeout_s, workers, None
@@ -364,14 +364,19 @@ class Toolbox:
                     out[k] = f"Error: wrong arguments for {c.name}: {e}"
                     continue
                 futures[k] = self.pool.submit(self.functions[c.name], **c.arguments)
+        # every call's limit counts from now, the turn's calls side by side
+        _, late = concurrent.futures.wait(futures.values(), timeout=self.timeout_s)
         for k, f in futures.items():
-            try:
-                value = f.result(timeout=self.timeout_s)
-                out[k] = value if isinstance(value, str) else json.dumps(value, default=str)
-            except concurrent.futures.TimeoutError:
+            if f in late:
                 out[k] = f"Error: {calls[k].name} timed out after {self.timeout_s:g} s"
+                continue
+            try:
+                value = f.result()
+                out[k] = value if isinstance(value, str) else json.dumps(value, default=str)
             except Exception as e:
                 out[k] = f"Error: {calls[k].name} raised {type(e).__name__}: {e}"
+        if late:  # their threads run on: the next turn gets a fresh pool, not the busy one
+            self.close()
         return typing.cast(list[str], out)
 
     def close(self) -> None:
