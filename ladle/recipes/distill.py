@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import SimpleNamespace
 
 from ladle.checkpoint.catalogue import read_config
 from ladle.checkpoint.dcp import resolve_checkpoint
@@ -125,7 +126,7 @@ class Distill(RLRecipe):
             teacher, kind=d.loss, beta=d.beta, temperature=d.temperature, reward_weight=d.reward_weight
         )
         # the group advantages of the rewards (GRPO's, mean-centred) for the REINFORCE term
-        section = type("Groups", (), {"num_samples": d.num_samples, "advantage": "grpo", "scale": "none"})
+        section = SimpleNamespace(num_samples=d.num_samples, advantage="grpo", scale="none")
 
         def wrap(loader, evaluate):
             advantages = functools.partial(group_advantages, section=section, group=s.par.data_group)

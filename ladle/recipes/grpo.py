@@ -108,8 +108,7 @@ class GRPO(RLRecipe):
             else:
                 engine = local_engine(s, g)
             # multi-turn episodes run on the engine's ranks, which turn together (their group)
-            share = (s.par.shared_group, s.par.shared_rank == 0)
-            episodes = env.episodes_for(s.cfg, "grpo", tok, end_ids(tok), share, group=s.par.group)
+            episodes = env.episodes_for(s.cfg, "grpo", tok, end_ids(tok), s.par, group=s.par.group)
             records = {split: PromptSplit(s.cfg.data.path, split).records for split in ("train", "val")}
             side = EngineSide(
                 pair, engine, s.unit.model, sampling_of(g), episodes, records if episodes else None

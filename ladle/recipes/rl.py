@@ -166,10 +166,9 @@ def rollout_loader(
         )
     elif engine is None:
         engine = local_engine(s, section)
-    share = (s.par.shared_group, s.par.shared_rank == 0)  # TP: the ranks that hold the same rows
     return RolloutLoader(
         inner,
-        episodes=env.episodes_for(s.cfg, name, tok, end_ids(tok), share),
+        episodes=env.episodes_for(s.cfg, name, tok, end_ids(tok), s.par),
         section=section,
         engine=engine,
         tokenizer=tok,

@@ -45,7 +45,7 @@ import torch
 from ladle import distributed as dist
 from ladle.errors import ConfigError
 from ladle.rl import tools as T
-from ladle.rl.rewards import load_user_file
+from ladle.rl.rewards import load_user_file, raised_at
 from ladle.rl.rollout import Rollouts, Sampling
 
 MARK = "LADLE_REPLY"  # the base conversation's assistant text, found in its rendering
@@ -178,13 +178,9 @@ class Episode:
 
 
 def _describe(cls, e: Exception, method: str) -> str:
-    import traceback
-
-    frames = traceback.extract_tb(e.__traceback__)
-    own = getattr(getattr(getattr(cls, method, None), "__code__", None), "co_filename", None)
-    at = next((f for f in reversed(frames) if own and f.filename == own), frames[-1] if frames else None)
-    where = f" ({at.filename}:{at.lineno})" if at is not None else ""
+    """'environment CLASS.METHOD (FILE:LINE) raised TYPE: MESSAGE' (rewards.raised_at)."""
     name = cls.__name__ if cls is not None else "tools"
+    where = raised_at(getattr(cls, method, None), e)
     return f"environment {name}.{method}{where} raised {type(e).__name__}: {e}"
 
 
@@ -393,9 +389,11 @@ def _check_messages(messages, method: str) -> None:
         )
 
 
-def episodes_for(cfg, name: str, tok, end_ids: set[int], share=(None, True), group=None) -> Episodes | None:
+def episodes_for(cfg, name: str, tok, end_ids: set[int], par=None, group=None) -> Episodes | None:
     """The Episodes of the RL section `name` (`grpo`, `ppo`) when it has an `env`, on the prompts'
-    chat template (the one `ladle data prepare --task prompts` rendered them with)."""
+    chat template (the one `ladle data prepare --task prompts` rendered them with). `par`: the
+    layout (its TP ranks hold the same rows; None: one process's check before launch); `group`:
+    the ranks that turn together (`Episodes`)."""
     section = getattr(cfg, name)
     if section.env is None:
         return None
@@ -412,6 +410,6 @@ def episodes_for(cfg, name: str, tok, end_ids: set[int], share=(None, True), gro
         source=encoder.template.source,
         end_ids=end_ids,
         max_len=cfg.data.seq_len,
-        share=share,
+        share=(par.shared_group, par.shared_rank == 0) if par is not None else (None, True),
         group=group,
     )

@@ -387,18 +387,23 @@ class RewardError(DataError):
         self.row = row
 
 
-def describe_failure(key: str, fn: Callable, e: Exception) -> str:
-    """'reward KEY (FILE:LINE) raised TYPE: MESSAGE', the line the deepest of the term's own file
-    (else where it raised); a DataError's message as it is (it names the reward and the field)."""
+def raised_at(fn, e: Exception) -> str:
+    """' (FILE:LINE)' where `e` was raised: the deepest line of `fn`'s own file (a user's reward
+    or environment), else the last frame; '' without a traceback."""
     import traceback
 
-    if isinstance(e, DataError):  # a registered reward's own message (a record without its field)
-        return str(e)
     frames = traceback.extract_tb(e.__traceback__)
     own = getattr(getattr(fn, "__code__", None), "co_filename", None)
-    at = next((f for f in reversed(frames) if f.filename == own), frames[-1] if frames else None)
-    where = f" ({at.filename}:{at.lineno})" if at is not None else ""
-    return f"reward {key!r}{where} raised {type(e).__name__}: {e}"
+    at = next((f for f in reversed(frames) if own and f.filename == own), frames[-1] if frames else None)
+    return f" ({at.filename}:{at.lineno})" if at is not None else ""
+
+
+def describe_failure(key: str, fn: Callable, e: Exception) -> str:
+    """'reward KEY (FILE:LINE) raised TYPE: MESSAGE' (`raised_at`); a DataError's message as it
+    is (it names the reward and the field)."""
+    if isinstance(e, DataError):  # a registered reward's own message (a record without its field)
+        return str(e)
+    return f"reward {key!r}{raised_at(fn, e)} raised {type(e).__name__}: {e}"
 
 
 class Rewards:
