@@ -175,8 +175,9 @@ def samples_of(recipe: str):
 
 def data(cfg, recipe: str, steps: int, warmup: int = 2) -> dict:
     """The recipe's train loader for rank 0 of one data-parallel rank, timed alone."""
-    from ladle.data.loader import BatchLayout, PretrainLoader
+    from ladle.data.loader import BatchLayout
     from ladle.launch.checks import check
+    from ladle.train.loaders import train_loader
 
     r = samples_of(recipe)  # before the checks: a recipe without a loader is said as such
     found = check(cfg, r)
@@ -184,9 +185,7 @@ def data(cfg, recipe: str, steps: int, warmup: int = 2) -> dict:
     t = cfg.train
     rows = r.samples(cfg, "train", found)
     layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, 0, 1)
-    loader = PretrainLoader(
-        rows, layout, seed=cfg.seed, device=torch.device("cpu"), prefetch=cfg.data.prefetch
-    )
+    loader = train_loader(cfg, rows, layout, torch.device("cpu"))
     times, tokens = [], 0
     try:
         for i in range(warmup + steps):

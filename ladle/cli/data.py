@@ -116,8 +116,26 @@ def cmd_data_synth(args) -> int:
 
 
 def cmd_data_inspect(args) -> int:
-    from ladle.data.inspect import format_inspect, inspect_data
+    from ladle.data.inspect import format_inspect, format_mix, inspect_data, inspect_mix
 
+    if args.config:
+        from ladle.config.load import load_config
+        from ladle.parallel.mesh import check_layout
+
+        # argparse hands the first override to the optional folder argument
+        cfg = load_config(args.config, [*([args.dir] if args.dir else []), *args.overrides])
+        if cfg.data.mix is None:
+            raise LadleError(
+                f"{args.config} sets no data.mix; inspect its folder with `ladle data inspect {cfg.data.path}`"
+            )
+        t = cfg.train
+        report = inspect_mix(cfg, t.micro_batch_size * t.grad_accum_steps * check_layout(cfg, args.nproc).dp)
+        print(json.dumps(report, indent=2) if args.json else format_mix(report))
+        return 0
+    if not args.dir or args.overrides:
+        raise LadleError(
+            "ladle data inspect: name a prepared folder, or a config's mixture with --config FILE"
+        )
     report = inspect_data(args.dir, samples=args.samples, tokenizer=args.tokenizer)
     print(json.dumps(report, indent=2, default=str) if args.json else format_inspect(report))
     return 0
@@ -220,8 +238,17 @@ def add_data_tools_parsers(dsub) -> None:
         help='{"prompt", "answer"} records: the RL recipes\' prompts (ladle data prepare --task prompts)',
     )
     d.set_defaults(fn=cmd_data_synth)
-    d = dsub.add_parser("inspect", help="counts, lengths and decoded samples of prepared data")
-    d.add_argument("dir")
+    d = dsub.add_parser(
+        "inspect",
+        help="counts, lengths and decoded samples of prepared data; with --config, a data mixture's "
+        "sources: tokens, effective share, epochs by train.max_steps",
+    )
+    d.add_argument("dir", nargs="?", help="a prepared folder")
+    d.add_argument("--config", help="a run config whose data.mix to inspect (instead of a folder)")
+    d.add_argument(
+        "--nproc", type=int, default=1, help="--config: the processes of the run (its global batch)"
+    )
+    d.add_argument("overrides", nargs="*", metavar="key.path=value", help="--config: overrides")
     d.add_argument("--samples", type=int, default=2)
     d.add_argument("--tokenizer", default=None)
     d.add_argument("--json", action="store_true")

@@ -305,8 +305,45 @@ class TokenizerConfig(Section):
     path: str = Field(..., description="a folder with a Hugging Face `tokenizer.json`")
 
 
+class MixSource(Section):
+    """One prepared folder of a mixture."""
+
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the source's name in metrics (`loss/<name>`), the schedule and events.log",
+    )
+    path: str = Field(..., description="a folder written by `ladle data prepare` (pretraining text)")
+    weight: float = Field(..., gt=0, description="its share of the samples, relative to the others'")
+
+
+class MixStage(Section):
+    """New weights of a mixture from a step on (`data.mix_schedule`)."""
+
+    step: int = Field(..., ge=0, description="the first optimizer step (0-based) drawn with these weights")
+    weights: dict[str, float] = Field(
+        ..., description="source name -> weight (>= 0; a source not named keeps the weight it had)"
+    )
+
+    @field_validator("weights")
+    @classmethod
+    def _check_weights(cls, v):
+        bad = {k: w for k, w in v.items() if not w >= 0}
+        if bad:
+            raise ValueError(f"weights must be >= 0, got {bad}")
+        return v
+
+
 class DataConfig(Section):
-    path: str = Field(..., description="a folder written by `ladle data prepare`")
+    path: str = Field("", description="a folder written by `ladle data prepare` (or `data.mix` for several)")
+    mix: list[MixSource] | None = Field(
+        None,
+        description="`ladle run pretrain` on several folders in place of `data.path`: `[{name, path, weight}, ...]` (a name of letters, digits, `_.-`; a weight > 0, relative to the others), samples interleaved by weight ([data.md](data.md#mixtures))",
+    )
+    mix_schedule: list[MixStage] = Field(
+        [],
+        description="the mixture's weights from given steps on, e.g. `[{step: 900, weights: {web: 0.2, math: 0.8}}]` (annealing)",
+    )
     seq_len: int = Field(512, ge=1, description="tokens per training sequence")
     prefetch: int = Field(2, ge=1, description="steps of batches built ahead in a background thread")
     shared_read: bool = Field(
@@ -325,6 +362,40 @@ class DataConfig(Section):
         "sizes",
         description="before training, every file `meta.json` lists must be there with the size it was written with, and each shard must agree with its index (a missing, truncated or mismatched file is named with its offset); `checksums`: also each file's sha256 (reads all the data once; a damaged shard is named with its first bad token's offset)",
     )
+
+    @model_validator(mode="after")
+    def _check_mix(self):
+        if self.mix is None:
+            if not self.path:
+                raise ValueError("set data.path (a prepared folder) or data.mix (several)")
+            if self.mix_schedule:
+                raise ValueError("data.mix_schedule changes the weights of data.mix, which is not set")
+            return self
+        if self.path:
+            raise ValueError("set data.path or data.mix, not both (a mix names each folder's path)")
+        if not self.mix:
+            raise ValueError("data.mix is empty; name at least one source")
+        names = [s.name for s in self.mix]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"data.mix names {', '.join(twice)} more than once; give each source its own name"
+            )
+        steps = [st.step for st in self.mix_schedule]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"data.mix_schedule's steps must increase, got {steps}")
+        weights = {s.name: s.weight for s in self.mix}
+        for i, st in enumerate(self.mix_schedule):
+            unknown = sorted(set(st.weights) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"data.mix_schedule[{i}] names {', '.join(unknown)}, not a source of data.mix "
+                    f"({', '.join(names)})"
+                )
+            weights.update(st.weights)
+            if not sum(weights.values()) > 0:
+                raise ValueError(f"data.mix_schedule[{i}] (step {st.step}) leaves every weight at 0")
+        return self
 
 
 class OptimConfig(Section):
@@ -1202,6 +1273,12 @@ class LadleConfig(Section):
             raise ValueError(
                 f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) must be below "
                 f"train.max_steps ({self.train.max_steps})"
+            )
+        late = [st.step for st in self.data.mix_schedule if st.step >= self.train.max_steps]
+        if late:
+            raise ValueError(
+                f"data.mix_schedule's step {late[0]} is not before train.max_steps ({self.train.max_steps}): "
+                "those weights would never be drawn; lower the step or raise train.max_steps"
             )
         for name in ("grpo", "ppo", "distill"):
             env = getattr(self, name).env

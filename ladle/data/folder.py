@@ -238,22 +238,31 @@ def data_identity(cfg: LadleConfig, tokenizer=None) -> dict:
     from ladle.data.tokenizer import load_tokenizer
 
     tok = tokenizer or load_tokenizer(cfg.tokenizer.path)
+    if cfg.data.mix is not None:  # a mixture: each source's, by name
+        return {"tokenizer": tok.hash, "sources": {m.name: fingerprint(m.path) for m in cfg.data.mix}}
     return {"tokenizer": tok.hash, "data": fingerprint(cfg.data.path)}
 
 
 def data_changes(cfg: LadleConfig, theirs: dict | None) -> list[str]:
-    """What differs from a checkpoint's `data_identity` (none recorded: nothing to compare)."""
+    """What differs from a checkpoint's `data_identity` (none recorded: nothing to compare). A
+    mixture's source added or dropped is not a change of data (the mixture says so in events.log);
+    a source whose folder now holds other data is."""
     if not theirs:
         return []
     mine = data_identity(cfg)
-    where = {
-        "tokenizer": f"the tokenizer at tokenizer.path {cfg.tokenizer.path}",
-        "data": f"the data at data.path {cfg.data.path}",
-    }
+    where = {"tokenizer": f"the tokenizer at tokenizer.path {cfg.tokenizer.path}"}
+    pairs = [("tokenizer", theirs.get("tokenizer"), mine["tokenizer"])]
+    if "data" in mine:
+        where["data"] = f"the data at data.path {cfg.data.path}"
+        pairs.append(("data", theirs.get("data"), mine["data"]))
+    else:
+        for m in cfg.data.mix:
+            where[m.name] = f"the data of data.mix source {m.name} at {m.path}"
+            pairs.append((m.name, (theirs.get("sources") or {}).get(m.name), mine["sources"][m.name]))
     return [
-        f"{where[k]} changed (sha256 {theirs[k][:12]} at the checkpoint, {mine[k][:12]} now)"
-        for k in ("tokenizer", "data")
-        if theirs.get(k) and theirs[k] != mine[k]
+        f"{where[k]} changed (sha256 {old[:12]} at the checkpoint, {new[:12]} now)"
+        for k, old, new in pairs
+        if old and old != new
     ]
 
 

@@ -1,5 +1,6 @@
-"""`ladle data inspect`: what is in a prepared data folder, at a glance; `ladle data show`: the
-records a report named (a bad step's samples), decoded whole.
+"""`ladle data inspect`: what is in a prepared data folder, at a glance (or a config's data mixture:
+each source's tokens, effective share and epochs); `ladle data show`: the records a report named
+(a bad step's samples), decoded whole.
 
 Per split: documents, tokens, shards, and a histogram of document lengths in log2 buckets. For the train
 split: the unigram entropy of its tokens in nats per token (how much a model that ignores context
@@ -261,6 +262,90 @@ def _pick_tokenizer(tokenizer, meta: dict | None, notes: list[str]) -> Tokenizer
     if meta and tok.hash != meta["tokenizer_hash"]:
         notes.append(f"tokenizer {tok.path} is not the one this data was prepared with (hash differs)")
     return tok
+
+
+def inspect_mix(cfg, global_batch: int) -> dict:
+    """A data mixture (`data.mix`) as a run of `cfg` with `global_batch` samples a step would draw
+    it: each source's tokens and samples, its weight in each stage of `data.mix_schedule`, the
+    share of the run's samples it gets (the effective share) and the epochs it is read for by
+    `train.max_steps`."""
+    from ladle.data.mix import stages
+
+    d, steps = cfg.data, cfg.train.max_steps
+    plan = [(s, w) for s, w in stages(d.mix, d.mix_schedule) if s < steps]
+    drawn = dict.fromkeys((m.name for m in d.mix), 0.0)
+    for i, (start, w) in enumerate(plan):
+        end = plan[i + 1][0] if i + 1 < len(plan) else steps
+        total = sum(w.values())
+        for name in drawn:
+            drawn[name] += (end - start) * global_batch * w.get(name, 0.0) / total
+    all_drawn = steps * global_batch
+    sources, notes = [], []
+    for m in d.mix:
+        train, val = open_split(m.path, "train"), open_split(m.path, "val")
+        n = max(0, (train.num_tokens - 1) // d.seq_len)
+        epochs = drawn[m.name] / n if n else float("inf")
+        sources.append(
+            {
+                "name": m.name,
+                "path": m.path,
+                "train_tokens": train.num_tokens,
+                "val_tokens": val.num_tokens,
+                "train_samples": n,
+                "weights": [w.get(m.name, 0.0) for _, w in plan],
+                "share": drawn[m.name] / all_drawn,
+                "samples_drawn": round(drawn[m.name]),
+                "epochs": epochs,
+            }
+        )
+        if epochs > 4:  # repeats past ~4 epochs add little (Muennighoff et al. 2023)
+            notes.append(f"source {m.name} is read {epochs:.1f} times by train.max_steps")
+    return {
+        "stages": [s for s, _ in plan],
+        "max_steps": steps,
+        "global_batch": global_batch,
+        "seq_len": d.seq_len,
+        "sources": sources,
+        "notes": notes,
+    }
+
+
+def format_mix(report: dict) -> str:
+    stages = report["stages"]
+    lines = [
+        f"data mix: {len(report['sources'])} sources, {report['max_steps']:,} steps of {report['global_batch']} "
+        f"samples x {report['seq_len']} tokens"
+        + (f"; weights change at steps {', '.join(map(str, stages[1:]))}" if len(stages) > 1 else "")
+    ]
+    head = [
+        "source",
+        "train tokens",
+        "val tokens",
+        "weight" + ("s" if len(stages) > 1 else ""),
+        "share",
+        "epochs",
+    ]
+    rows = [
+        [
+            s["name"],
+            f"{s['train_tokens']:,}",
+            f"{s['val_tokens']:,}",
+            " -> ".join(f"{w:g}" for w in s["weights"]),
+            f"{s['share']:.1%}",
+            f"{s['epochs']:.2f}",
+        ]
+        for s in report["sources"]
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        lines.append(
+            "  "
+            + "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
+    lines.extend(f"  note: {note}" for note in report["notes"])
+    return "\n".join(lines)
 
 
 def format_inspect(report: dict) -> str:

@@ -257,12 +257,16 @@ class SharedLoader:
         self.data_s = 0.0
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples}
+        inner = self.loader.state_dict() if self.loader is not None else {}  # a mixture's positions
+        return {**inner, "consumed_samples": self.consumed_samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed_samples = int(state["consumed_samples"])
         if self.loader is not None:
             self.loader.load_state_dict(state)
+
+    def step_metrics(self) -> dict:
+        return self.loader.step_metrics() if hasattr(self.loader, "step_metrics") else {}
 
     def batch_samples(self) -> dict | None:
         return self.loader.batch_samples() if self.loader is not None else None

@@ -33,6 +33,7 @@ class RecipeChecks(Protocol):
 
     name: str
     data_task: str  # the `ladle data prepare --task` its data comes from
+    mixes: bool  # it reads a mixture of folders (data.mix)
 
     def check_layout(self, cfg: LadleConfig, layout) -> None: ...  # what it cannot run on
 
@@ -68,6 +69,11 @@ def check(
         found.cfg = cfg = resolve_config(cfg)
         found.tokenizer = check_tokenizer(cfg)
         found.meta = check_data(cfg, found.tokenizer)
+    if cfg.data.mix is not None and recipe is not None and not recipe.mixes:
+        raise ConfigError(
+            f"data.mix: `ladle run {recipe.name}` reads one prepared folder; set data.path instead "
+            "(mixtures are `ladle run pretrain`'s)"
+        )
     if paths and recipe is not None:
         check_data_task(cfg, recipe, found.meta)
         recipe.check_paths(cfg)  # the other models a recipe reads
@@ -88,7 +94,14 @@ def check_memory(cfg: LadleConfig, recipe: str, layout) -> None:
 
 
 def check_data_task(cfg: LadleConfig, recipe: RecipeChecks, meta: dict) -> None:
-    """The data is the kind the recipe trains on (meta.json's "task"; pretraining data has none)."""
+    """The data is the kind the recipe trains on (meta.json's "task"; pretraining data has none);
+    of a mixture, every source's."""
+    metas = meta["sources"] if cfg.data.mix is not None else {"data.path": (cfg.data.path, meta)}
+    for key, (path, m) in metas.items():
+        _check_task(key, path, recipe, m)
+
+
+def _check_task(key: str, path: str, recipe: RecipeChecks, meta: dict) -> None:
     want, task = recipe.data_task, meta.get("task", "pretrain")
     if task != want:
         how = (
@@ -97,7 +110,7 @@ def check_data_task(cfg: LadleConfig, recipe: RecipeChecks, meta: dict) -> None:
             else f"`ladle data prepare --task {want}`"
         )
         raise DataError(
-            f"data.path {cfg.data.path} holds {task} data, but recipe {recipe.name} trains on {want} data; "
+            f"{key} {path} holds {task} data, but recipe {recipe.name} trains on {want} data; "
             f"prepare it with {how}" + (f", or use `ladle run {task}`" if task in ("pretrain", "sft") else "")
         )
 
@@ -113,6 +126,7 @@ def check_output_dir(cfg: LadleConfig) -> None:
         )
     for key, value in (
         ("data.path", cfg.data.path),
+        *((f"data.mix source {m.name}'s path", m.path) for m in cfg.data.mix or ()),
         ("tokenizer.path", cfg.tokenizer.path),
     ):
         if not value:
@@ -138,20 +152,35 @@ def check_tokenizer(cfg: LadleConfig):
 
 
 def check_data(cfg: LadleConfig, tok) -> dict:
-    """The prepared data exists, was made with this tokenizer, and fits the model."""
-    meta = load_meta(cfg.data.path)
-    check_files(cfg.data.path, meta, checksums=cfg.data.verify == "checksums")
+    """The prepared data exists, was made with this tokenizer, and fits the model. Of a mixture,
+    every source's folder (one tokenizer across them): {"sources": {key: (path, meta.json)}}."""
+    if cfg.data.mix is None:
+        return _check_folder(cfg, "data.path", cfg.data.path, tok)
+    sources = {}
+    for m in cfg.data.mix:
+        key = f"data.mix source {m.name}:"
+        sources[key] = (m.path, _check_folder(cfg, key, m.path, tok))
+    return {"sources": sources}
+
+
+def _check_folder(cfg: LadleConfig, key: str, path: str, tok) -> dict:
+    try:
+        meta = load_meta(path)
+    except DataError as e:
+        raise DataError(f"{key} {e}" if cfg.data.mix else str(e)) from e
+    check_files(path, meta, checksums=cfg.data.verify == "checksums")
     theirs = meta.get("tokenizer_hash")
     if theirs and theirs != tok.hash:
         raise DataError(
-            f"data.path {cfg.data.path} was prepared with a different tokenizer "
+            f"{key} {path} was prepared with a different tokenizer "
             f"({meta.get('tokenizer_path')}, sha256 {theirs[:12]}) than tokenizer.path {cfg.tokenizer.path} "
             f"(sha256 {tok.hash[:12]}); point tokenizer.path at the tokenizer the data was prepared with, "
             f"or run `ladle data prepare --tokenizer {cfg.tokenizer.path} ...` again"
+            + (" (a mixture's sources must share one tokenizer)" if cfg.data.mix else "")
         )
     if int(meta.get("vocab_size", 0)) > cfg.model.vocab_size:
         raise ConfigError(
-            f"data.path {cfg.data.path} holds token ids up to {meta['vocab_size'] - 1}, beyond "
+            f"{key} {path} holds token ids up to {meta['vocab_size'] - 1}, beyond "
             f"model.vocab_size ({cfg.model.vocab_size}); raise model.vocab_size"
         )
     return meta

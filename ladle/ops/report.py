@@ -29,6 +29,7 @@ STANDARD = {
     "optim_s", "mem_peak_bytes", "mem_reserved_bytes", "skipped", "update_ratio", "loss_scale", "val_loss",
     "val_ppl", "eval_s",
 }  # fmt: skip
+MIX_PREFIXES = {"loss", "samples", "epochs"}  # a data mixture's metrics, `<prefix>/<source>`
 
 
 class Run:
@@ -146,9 +147,15 @@ def plots(run: Run, out: Path) -> list[Path]:
     others = sorted(
         {k for r in run.records for k, v in r.items() if k not in STANDARD and isinstance(v, (int, float))}
     )
-    for k in others:  # the recipe's own: rewards, KL, entropy, expert load ...
-        if len(run.series(k)[0]) >= 2:
+    groups: dict[str, list[str]] = {}  # `prefix/name`: one plot per prefix (a mixture's sources, ...)
+    for k in others:
+        if "/" in k:
+            prefix = k.split("/")[0]
+            groups.setdefault("loss" if prefix == "val_loss" else prefix, []).append(k)
+        elif len(run.series(k)[0]) >= 2:  # the recipe's own: rewards, KL, entropy, expert load ...
             line(f"metric_{k}", k, k, [k])
+    for prefix, keys in groups.items():
+        line(f"by_{prefix}", f"{prefix} by source" if prefix in MIX_PREFIXES else prefix, prefix, keys)
     return made
 
 

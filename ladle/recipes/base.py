@@ -70,6 +70,7 @@ class Recipe:
 
     name = ""
     data_task = "pretrain"  # the `ladle data prepare --task` its data comes from (meta.json's task)
+    mixes = False  # it reads a weighted mixture of folders (data.mix) in place of data.path
     rollouts = False  # its batches are generated each step (the RL recipes), not read by a loader
 
     def samples(self, cfg: LadleConfig, split: str, found: Checked):
@@ -166,7 +167,12 @@ def build_trainer(
         mfu_peak_tflops=trainer.peak_tflops,
         mfu_peak_source=trainer.peak_source,
         tokenizer_hash=found["tokenizer"].hash,
-        data={"path": cfg.data.path, "train_samples": len(train), "val_samples": len(val)},
+        data={
+            "path": cfg.data.path,
+            **({"mix": [m.model_dump() for m in cfg.data.mix]} if cfg.data.mix else {}),
+            "train_samples": len(train),
+            "val_samples": len(val),
+        },
     )
     if resume.path is not None:
         trainer.resume_from(resume.path)

@@ -508,6 +508,12 @@ def describe_samples(s: dict | None, data_dir: str) -> str:
     """A loader's `batch_samples()` as the report says it, with the command that shows them."""
     if not s:
         return "no samples here (another rank of its group reads them)"
+    if "sources" in s:  # a mixture's: each source's samples, with its own folder
+        return "; ".join(
+            f"data.mix source {name}: "
+            + describe_samples({**d, "split": s["split"], "what": s["what"]}, d["path"])
+            for name, d in s["sources"].items()
+        )
     docs = s.get("documents") or []
     shown = ", ".join(map(str, docs[:32])) + (f" and {len(docs) - 32} more" if len(docs) > 32 else "")
     show = " ".join(map(str, docs[:32])) + (f" --split {s['split']}" if s["split"] != "train" else "")

@@ -181,7 +181,7 @@ class CausalLMLoss(Loss):
             out.extra = router_losses(stats, self.moe)
             if model.training:  # per layer: aux (L,), z (L,), tokens per expert (L, E)
                 aux, z, counts = (torch.stack([s[j].detach().float() for s in stats]) for j in range(3))
-                out.metrics = {"moe_aux_loss": aux.mean(), "moe_z_loss": z.mean(), "moe_tokens": counts}
+                out.metrics.update({"moe_aux_loss": aux.mean(), "moe_z_loss": z.mean(), "moe_tokens": counts})
         return out
 
     def summarize(self, totals: dict, count: int, parts: int) -> dict:
@@ -198,6 +198,39 @@ class CausalLMLoss(Loss):
             "moe_tokens_max": int(counts.max()),
             "moe_imbalance": float((counts.max(1).values / counts.mean(1)).max()),
         }
+
+
+class MixLoss(CausalLMLoss):
+    """The causal-LM loss of a data mixture (ladle/data/mix.py), also per source: each batch's
+    `source` row names every position's source, and `loss/<name>` is that source's mean over its
+    target tokens in the step (`val_loss/<name>` in validation)."""
+
+    def __init__(self, names: list[str], moe: MoEConfig | None = None):
+        super().__init__(moe)
+        self.names = names
+
+    def from_output(self, logits, batch: dict) -> LossOut:
+        targets = batch["targets"]
+        valid = targets != IGNORE_INDEX
+        nll = -token_logps(logits, targets, IGNORE_INDEX)  # (B, T), 0 where ignored
+        src = batch["source"].flatten()
+        k = len(self.names)
+        sums = torch.zeros(k, dtype=torch.float32, device=nll.device).index_add_(
+            0, src, nll.detach().flatten()
+        )
+        counts = torch.zeros(k, dtype=torch.float32, device=nll.device).index_add_(
+            0, src, valid.flatten().float()
+        )
+        return LossOut(nll.sum(), valid.sum(), {"mix_loss": sums, "mix_tokens": counts})
+
+    def summarize(self, totals: dict, count: int, parts: int) -> dict:
+        out = super().summarize(totals, count, parts)
+        sums, counts = totals.get("mix_loss"), totals.get("mix_tokens")
+        if sums is not None:
+            for name, s, n in zip(self.names, sums.tolist(), counts.tolist(), strict=True):
+                if n:
+                    out[f"loss/{name}"] = s / n
+        return out
 
 
 def router_losses(stats: list[tuple[torch.Tensor, ...]], cfg: MoEConfig) -> torch.Tensor:
