@@ -195,6 +195,7 @@ def test_a_mixed_run_logs_each_source_and_matches_an_independent_evaluation(toke
     cfg = mix_config(
         tokenizer_dir, sources, tmp_path / "run", schedule=[{"step": 10, "weights": {"json": 3}}]
     )
+    cfg["loggers"] = {"tensorboard": True}
     assert pretrain.run(build_config(cfg)) == "completed"
     recs = read_metrics(tmp_path / "run")
     train = [r for r in recs if "loss" in r]
@@ -216,6 +217,13 @@ def test_a_mixed_run_logs_each_source_and_matches_an_independent_evaluation(toke
         assert last[f"val_loss/{k}"] == pytest.approx(want["loss"], rel=1e-5)
     card = json.loads((tmp_path / "run" / "run_card.json").read_text())
     assert [m["name"] for m in card["data"]["mix"]] == names
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {f"{m}/{k}" for m in ("loss", "val_loss", "samples", "epochs") for k in names} <= tags
+    assert acc.Scalars("val_loss/json")[-1].value == pytest.approx(last["val_loss/json"], rel=1e-6)
 
 
 def test_resumed_mixture_is_bit_identical_and_a_changed_one_is_noted(tokenizer_dir, sources, tmp_path):
