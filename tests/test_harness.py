@@ -201,3 +201,74 @@ def test_lm_eval_reads_ladles_model_by_name(trained):
     with torch.no_grad():
         ((score, greedy),) = lm._loglikelihood_tokens([(None, [0, 5], [7, 9])])
     assert score < 0 and isinstance(greedy, bool)
+
+
+def harness_config(tokenizer_dir, data_dir, out, tasks) -> dict:
+    cfg = make_tiny_config(tokenizer_dir, data_dir, out)
+    cfg["train"].update(max_steps=4, eval_every=0, threads=1)
+    cfg["checkpoint"]["every"] = 0
+    cfg["sample"]["max_new_tokens"] = 0
+    cfg["eval"] = {
+        "harness": ["ladle_mc", "ladle_ppl"],
+        "harness_every": 2,
+        "harness_include_path": str(tasks),
+        "harness_limit": 4,
+    }
+    return cfg
+
+
+def harness_records(run) -> dict:
+    from ladle.train.metrics import read_metrics
+
+    return {r["step"]: r for r in read_metrics(run) if any(k.startswith("harness/") for k in r)}
+
+
+def final_scores(run, tasks) -> dict:
+    """The tasks on the run's last checkpoint, as `ladle eval --harness` scores them."""
+    from ladle.ops.export import load_any_model
+    from ladle.ops.harness import ladle_lm, metric_records, run_harness, task_manager
+
+    model, tok = load_any_model(run)
+    out = run_harness(ladle_lm(model, tok), ["ladle_mc", "ladle_ppl"], task_manager(tasks), limit=4)
+    return metric_records(out["results"])
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "fsdp-2"])
+def test_training_logs_harness_metrics_of_its_weights(trained, tokenizer_dir, data_dir, tmp_path, nproc):
+    import subprocess
+
+    _, _, tasks = trained
+    cfg = harness_config(tokenizer_dir, data_dir, tmp_path / "run", tasks)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(tmp_path / "c.yaml")]
+    if nproc == 1:
+        assert main(cmd[3:]) == 0
+    else:
+        r = subprocess.run(
+            [*cmd, "--nproc", "2", "parallel.dp_shard=2"], capture_output=True, text=True, timeout=600
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = harness_records(tmp_path / "run")
+    assert sorted(recs) == [2, 4]
+    final = recs[4]
+    assert {"harness/ladle_mc/acc", "harness/ladle_mc/acc_norm", "harness/ladle_ppl/bits_per_byte"} <= set(
+        final
+    )
+    assert not any("stderr" in k for k in final)
+    # the weights gathered at the end are the checkpoint's: the same scores
+    for k, v in final_scores(tmp_path / "run", tasks).items():
+        assert final[k] == pytest.approx(v, rel=1e-6), k
+
+
+def test_a_bad_harness_task_stops_the_run_before_it_starts(
+    trained, tokenizer_dir, data_dir, tmp_path, capsys
+):
+    _, _, tasks = trained
+    cfg = harness_config(tokenizer_dir, data_dir, tmp_path / "run", tasks)
+    cfg["eval"]["harness"] = ["ladle_mcc"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["run", "pretrain", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "eval.harness: unknown lm-evaluation-harness task 'ladle_mcc'" in err
+    assert "eval.harness_include_path: ladle_gen, ladle_mc, ladle_ppl" in err
+    assert not (tmp_path / "run").exists()

@@ -171,7 +171,12 @@ def metric_records(results: dict) -> dict[str, float]:
     out = {}
     for task, metrics in results.items():
         for key, v in metrics.items():
-            if "_stderr" in key or isinstance(v, bool) or not isinstance(v, (int, float)):
+            if (
+                "_stderr" in key
+                or key == "sample_len"
+                or isinstance(v, bool)
+                or not isinstance(v, (int, float))
+            ):
                 continue
             out[f"harness/{task}/{key.removesuffix(',none')}"] = float(v)
     return out
