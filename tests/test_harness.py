@@ -272,3 +272,46 @@ def test_a_bad_harness_task_stops_the_run_before_it_starts(
     assert "eval.harness: unknown lm-evaluation-harness task 'ladle_mcc'" in err
     assert "eval.harness_include_path: ladle_gen, ladle_mc, ladle_ppl" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("post_bos", [False, True], ids=["no-post-processor", "bos-post-processor"])
+def test_encoding_is_transformers_default_with_or_without_a_bos_post_processor(
+    tokenizer_dir, tmp_path, post_bos
+):
+    """The context and continuation ids are what HFLM gets from `transformers` for the same
+    folder: a tokenizer.json whose post-processor adds BOS (Llama 3's) gets it, once."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from ladle.config.schema import ModelConfig
+    from ladle.data.tokenizer import load_tokenizer
+    from ladle.models.llama import build_model
+    from ladle.ops.harness import ladle_lm
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, folder)
+    if post_bos:
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        spec["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [
+                {"SpecialToken": {"id": "<|bos|>", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+            ],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [0], "tokens": ["<|bos|>"]}},
+        }
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+    model = build_model(
+        ModelConfig(vocab_size=512, dim=32, n_layers=1, n_heads=4, ffn_dim=64, max_seq_len=64)
+    )
+    lm = ladle_lm(model, load_tokenizer(folder))
+    hf = AutoTokenizer.from_pretrained(folder)
+    for text in ["def f(x):", "import os\n", "<|bos|>x = 1"]:
+        assert lm.tok_encode(text) == hf.encode(text, add_special_tokens=not text.startswith("<|bos|>"))
+    assert lm._encode_pair("import", " os") == (
+        hf.encode("import"),
+        hf.encode("import os")[len(hf.encode("import")) :],
+    )
+    assert (lm.tok_encode("x")[:1] == [0]) == post_bos
