@@ -56,11 +56,48 @@ def load_for_inference(args):
     return (*load_any_model(args.model, device=device, dtype=dtype, tokenizer=args.tokenizer), device)
 
 
+def cmd_harness(args) -> int:
+    """`ladle eval --harness TASKS`: lm-evaluation-harness tasks on ladle's model; the last line
+    is one JSON object with the harness's results (task -> its metric keys -> value)."""
+    import time
+
+    from ladle.ops.harness import check_tasks, ladle_lm, require_lm_eval, run_harness, task_manager
+
+    require_lm_eval("ladle eval --harness")
+    tasks = [t.strip() for t in args.harness.split(",") if t.strip()]
+    manager = task_manager(args.include_path)
+    check_tasks(tasks, manager)  # before the model loads: a typo costs seconds
+    model, tok, device = load_for_inference(args)
+    t0 = time.perf_counter()
+    out = run_harness(
+        ladle_lm(model, tok, batch_size=args.batch_size),
+        tasks,
+        manager,
+        limit=args.limit or None,
+        num_fewshot=args.num_fewshot,
+        output_path=args.output_path,
+        name=str(args.model),
+    )
+    record = {"model": str(args.model), "tasks": tasks, "results": out["results"]}
+    if out.get("groups"):
+        record["groups"] = out["groups"]
+    record["n-samples"] = out.get("n-samples", {})
+    record.update(eval_s=round(time.perf_counter() - t0, 3), device=str(device), dtype=args.dtype)
+    if args.output_path:
+        record["output_path"] = str(args.output_path)
+    print(json.dumps(record, default=str))
+    return 0
+
+
 def cmd_eval(args) -> int:
     import json
 
     from ladle.ops.evaluate import check_data_fits, evaluate
 
+    if args.harness:
+        return cmd_harness(args)
+    if not args.data:
+        raise LadleError(f"ladle eval --task {args.task} needs --data (only --harness does without)")
     model, tok, device = load_for_inference(args)
     if args.task in ("reward", "preference"):
         from ladle.ops.evaluate import evaluate_pairs
@@ -187,14 +224,23 @@ def _eval_parser(sub, recipes) -> None:
     s = sub.add_parser(
         "eval",
         help="loss and perplexity on prepared data; (--task generate) the accuracy of greedy answers to chats; "
-        "(--task reward / preference) held-out preference accuracy",
+        "(--task reward / preference) held-out preference accuracy; (--harness) lm-evaluation-harness tasks",
     )
     s.add_argument("--model", required=True, help="a run directory, checkpoint or Hugging Face folder")
     s.add_argument(
         "--data",
-        required=True,
-        help="loss: a folder made by `ladle data prepare` (or Megatron shards); generate: a chat jsonl",
+        help="loss: a folder made by `ladle data prepare` (or Megatron shards); generate: a chat jsonl; "
+        "required but with --harness",
     )
+    s.add_argument(
+        "--harness",
+        metavar="TASK[,TASK...]",
+        help="lm-evaluation-harness tasks (its registry, or --include-path), instead of --task "
+        "(the extra ladle[eval]); docs/evaluation.md",
+    )
+    s.add_argument("--include-path", default=None, help="harness: a folder of your own task YAMLs")
+    s.add_argument("--output-path", default=None, help="harness: where the harness writes its own results")
+    s.add_argument("--num-fewshot", type=int, default=None, help="harness: default each task's own")
     s.add_argument(
         "--task",
         default="loss",
@@ -210,7 +256,12 @@ def _eval_parser(sub, recipes) -> None:
     )
     s.add_argument("--answer-regex", default=None, help="generate: compare the first match (its first group)")
     s.add_argument("--max-new-tokens", type=int, default=64, help="generate")
-    s.add_argument("--limit", type=int, default=0, help="generate: the first N records (0: all)")
+    s.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        help="generate: the first N records; harness: N documents a task (0: all)",
+    )
     s.add_argument("--split", default="val", choices=["train", "val"])
     s.add_argument("--seq-len", type=int, default=0, help="default: the model's max_seq_len, at most 1024")
     s.add_argument("--batch-size", type=int, default=8)

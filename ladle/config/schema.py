@@ -610,6 +610,29 @@ class SampleConfig(Section):
     top_k: int = Field(50, ge=0, description="0: no top-k filter")
 
 
+class EvalConfig(Section):
+    """Downstream evaluation during training with lm-evaluation-harness (the extra `ladle[eval]`):
+    rank 0 gathers the whole weights and scores its tasks while the other ranks wait
+    (docs/evaluation.md)."""
+
+    harness: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks (or groups) by name, from its registry or "
+        "`harness_include_path`; checked before launch; empty: none",
+    )
+    harness_every: int = Field(
+        0,
+        ge=0,
+        description="run them every this many steps, and at the end of a completed run; 0: at the end only",
+    )
+    harness_include_path: str | None = Field(
+        None, description="a folder of your own task YAMLs (local data files), as lm-eval's --include_path"
+    )
+    harness_limit: int | None = Field(None, ge=1, description="the first N documents of each task; null: all")
+    harness_num_fewshot: int | None = Field(None, ge=0, description="null: each task's own")
+    harness_batch_size: int = Field(8, ge=1, description="requests per forward pass")
+
+
 class LoRAConfig(Section):
     """Low-rank adapters (ladle/models/lora.py): the base model frozen, only the adapters trained,
     checkpointed and exported (PEFT's format), or merged into the base for export."""
@@ -1240,6 +1263,7 @@ class LadleConfig(Section):
     parallel: ParallelConfig = ParallelConfig()
     activation_checkpoint: ActivationCheckpointConfig = ActivationCheckpointConfig()
     sample: SampleConfig = SampleConfig()
+    eval: EvalConfig = EvalConfig()
     lora: LoRAConfig | None = Field(None, description="adapters instead of full finetuning; null: off")
     dpo: DPOConfig = DPOConfig()
     reward: RewardConfig = RewardConfig()

@@ -149,8 +149,10 @@ class Tokenizer:
                 return token_id
         return None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: what tokenizer.json's post-processor adds (a Llama 3 BOS), as
+        `transformers` encodes by default (lm-eval's `hf` model does)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and each token's (start, end) character span in `text`."""

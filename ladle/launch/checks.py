@@ -6,6 +6,7 @@ training process call `check`, so each refusal comes before anything is written.
   names (ladle/checkpoint/init_from.py);
 - the tokenizer and the prepared data: they exist, agree with each other and the model, and hold
   the kind of data the recipe declares (its `data_task`);
+- `eval.harness`: lm-eval is installed, the tasks exist, their local data files too;
 - the parallel layout for the world size (`check_layout`, ladle/parallel/mesh.py), what the recipe
   cannot run on, and whether the layout fits in the device's memory (ladle/plan);
 - the resume decision is ladle/checkpoint/resume.py's, taken after these checks.
@@ -77,6 +78,8 @@ def check(
     if paths and recipe is not None:
         check_data_task(cfg, recipe, found.meta)
         recipe.check_paths(cfg)  # the other models a recipe reads
+    if paths and cfg.eval.harness:
+        check_harness(cfg, recipe)
     if world:
         placement = recipe.placement(cfg) if recipe is not None else None
         found.layout = check_layout(cfg, world, *(placement or ()))
@@ -85,6 +88,25 @@ def check(
         if cfg.device.memory_check:
             check_memory(cfg, recipe.name if recipe is not None else "pretrain", found.layout)
     return found
+
+
+def check_harness(cfg: LadleConfig, recipe: RecipeChecks | None) -> None:
+    """eval.harness can run: a language model on one copy of the weights, lm-eval installed, the
+    tasks known and their data files there (a typo fails here, not after hours of training)."""
+    from ladle.ops.harness import check_tasks, require_lm_eval, task_manager
+
+    if cfg.model.head != "lm":
+        raise ConfigError("eval.harness scores a language model; a reward model (head: score) has no LM head")
+    if cfg.parallel.pp > 1:
+        raise ConfigError(
+            "eval.harness: not with pipeline parallelism yet (parallel.pp > 1); set eval.harness: []"
+        )
+    if recipe is not None and recipe.placement(cfg) is not None:
+        raise ConfigError("eval.harness: not with a separated placement yet; set eval.harness: []")
+    require_lm_eval("eval.harness")
+    field = "eval.harness_include_path"
+    manager = task_manager(cfg.eval.harness_include_path, field=field)
+    check_tasks(cfg.eval.harness, manager, field="eval.harness", include_field=field)
 
 
 def check_memory(cfg: LadleConfig, recipe: str, layout) -> None:

@@ -151,6 +151,7 @@ def build_trainer(
         eval_batches=evaluate,
         identity=data_identity(cfg, found["tokenizer"]),  # the tokenizer check loaded, not again
         oom_report=functools.partial(oom_report, cfg, recipe.name, par.layout, device),
+        harness=harness_hook(cfg, par, device, found) if cfg.eval.harness else None,
     )
     run.events(
         f"model: {n_params:,} parameters (N = {n_no_embed:,} for MFU: all but the input embedding"
@@ -177,6 +178,21 @@ def build_trainer(
     if resume.path is not None:
         trainer.resume_from(resume.path)
     return trainer
+
+
+def harness_hook(cfg: LadleConfig, par: Parallel, device: torch.device, found: Checked):
+    """eval.harness's (model, step) -> records: the weights gathered whole onto rank 0 (every
+    rank takes part), scored there while the others wait (ladle/ops/harness.py)."""
+    from ladle.ops.harness import TrainingHarness
+
+    harness = TrainingHarness(cfg.eval, found["tokenizer"], device)
+
+    def run_at(model, step: int) -> dict | None:
+        plain = gather_model(model, par, cfg.model, cfg.lora)
+        with eager():
+            return harness(plain, step)
+
+    return run_at
 
 
 def run(cfg: LadleConfig, recipe: Recipe, loss: Loss | None = None) -> str:

@@ -122,6 +122,9 @@ class Trainer:
         name: str = POLICY,  # the unit's part in checkpoints (a group of a separated placement: "critic")
         identity: dict | None = None,  # data.folder.data_identity, when the caller has it
         oom_report: Callable[[int, int], str] | None = None,  # (rank, step) -> the report (ladle/plan)
+        # eval.harness: (model, step) -> {"harness/<task>/<metric>": value} on rank 0, None
+        # elsewhere; every rank calls it (the weights are gathered), rank 0 scores
+        harness: Callable[[torch.nn.Module, int], dict | None] | None = None,
     ):
         self.cfg, self.run, self.unit, self.loader, self.loss = cfg, run, unit, loader, loss
         self.parallel = unit.parallel
@@ -135,6 +138,7 @@ class Trainer:
         self.warnings = Warnings(cfg.profiler, accelerator=self.device.type != "cpu")
         self.name = name
         self.oom_report = oom_report
+        self.harness = harness
         self.identity = identity or data_identity(cfg)  # the tokenizer and data, which a resume compares
         self.guard = Guard(cfg.guard)  # judges the policy's steps (a critic's only skips non-finite ones)
         self.step = 0
@@ -403,6 +407,9 @@ class Trainer:
                     window = _new_window()
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                     self.report_eval(bar)
+                every = cfg.eval.harness_every
+                if every and self.step % every == 0 and self.step < t.max_steps:
+                    self.report_harness(bar)
                 self.checkpointer.poll()
 
                 reason = stop.received
@@ -419,6 +426,7 @@ class Trainer:
         self.report_profile(self.profiler.finish(self.step), bar)  # a profile the run ended within
         if status == "completed":
             self.report_eval(bar)
+            self.report_harness(bar)
         self.save(blocking=True)
         if status != "completed":
             run.events(
@@ -455,6 +463,20 @@ class Trainer:
             console = (*self.loss.console, *getattr(self.loader, "console", ()))
             shown += [f"val_{k} {rec[f'val_{k}']:.4g}" for k in console if f"val_{k}" in rec]
             bar.print(" | ".join(shown))
+
+    def report_harness(self, bar) -> None:
+        """eval.harness's tasks on the gathered weights (ladle/ops/harness.py): metrics.jsonl gets
+        `harness/<task>/<metric>` at this step, and so TensorBoard and W&B."""
+        if self.harness is None:
+            return
+        watchdog.phase("harness", step=self.step)
+        rec = self.harness(self.model, self.step)
+        if rec:
+            self.run.metrics.write({"step": self.step, **rec})
+            shown = [
+                f"{k.removeprefix('harness/')} {v:.4g}" for k, v in rec.items() if k.startswith("harness/")
+            ]
+            bar.print(" | ".join([f"step {self.step:>6}", *shown]))
 
     def report_profile(self, result: dict | None, bar) -> None:
         """The profiled steps' breakdown: on the console, in events.log and the run card (rank 0)."""
