@@ -139,7 +139,6 @@ def test_unknown_config_file_hints_bundled_name():
 def test_every_key_is_documented():
     """docs/config.md lists every field of the schema (docs change with the code)."""
     from pathlib import Path
-
     from typing import get_origin
 
     from pydantic import BaseModel
