@@ -223,6 +223,17 @@ def test_layout_trains_like_one_process(muon_reference, tmp_path, name):
 
 
 @pytest.mark.slow
+def test_resume_in_another_layout_continues_exactly(muon_reference, tmp_path):
+    """FSDP to step 5, then TP from its checkpoint: the momentum buffers resharded by DCP."""
+    cfg_file, one = muon_reference
+    out = tmp_path / "switch"
+    launch(cfg_file, out, 2, "parallel.dp_shard=2", "train.micro_batch_size=1", "train.exit_at_step=5")
+    launch(cfg_file, out, 2, "parallel.tp=2", "parallel.dp_shard=1", "train.resume=auto")
+    assert_same_run(one, out, cfg_file)
+    assert "parallel.tp: 1 -> 2" in (out / "events.log").read_text()
+
+
+@pytest.mark.slow
 def test_experts_sharded_over_ep_ranks_train_like_one_process(tokenizer_dir, data_dir, tmp_path):
     """Stacked experts, each expert's matrix orthogonalised apart, gathered from their EP shards."""
     cfg_file, one = reference_run(tokenizer_dir, data_dir, tmp_path, QWEN3_MOE)

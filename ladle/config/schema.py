@@ -352,7 +352,7 @@ class OptimConfig(Section):
     )
     muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
-        description="Muon: the Newton-Schulz iteration's dtype; `auto`: bfloat16 on an accelerator, float32 on a CPU",
+        description="Muon: the Newton-Schulz iteration's dtype; `auto`: bfloat16 where the run computes in bf16 (`precision.mode` bf16-mixed or bf16), else float32",
     )
     muon_adjust_lr: Literal["match_rms_adamw", "original"] = Field(
         "match_rms_adamw",

@@ -261,8 +261,10 @@ def _role_parts(cfg, role: Role, lay: Layout, m: act.Micro, target: Target, mode
             flight = in_flight(cfg, lay, r)
             parts["activations"] = int(sum(saved.values()) * flight)
             parts["recomputed block"] = recompute  # checkpointing: one block's activations again
-            if cfg.optim.name == "muon":  # Newton-Schulz on a whole matrix (auto: fp32 on a CPU)
-                ns = {"bfloat16": 2, "float32": 4}.get(cfg.optim.muon_ns_dtype, 4 if target.cpu else 2)
+            if cfg.optim.name == "muon":  # Newton-Schulz on a whole matrix (auto: bf16 in a bf16 run)
+                ns = {"bfloat16": 2, "float32": 4}.get(
+                    cfg.optim.muon_ns_dtype, 2 if mode.startswith("bf16") else 4
+                )
                 parts["optimizer workspace"] = mem.muon_workspace(ts, param_bytes, ns)
             if m.autocast and m.params32 and not lay.fsdp:
                 plain = st["layers"] if ac_mode == "none" else 0

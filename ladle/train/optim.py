@@ -32,7 +32,10 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False)
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, precision_mode: str = "fp32"
+) -> torch.optim.Optimizer:
+    """`precision_mode` (resolved): Muon's Newton-Schulz dtype under `optim.muon_ns_dtype: auto`."""
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if dev.fused_adamw_available(device) else "foreach"
@@ -45,7 +48,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
             momentum=cfg.muon_momentum,
             nesterov=cfg.muon_nesterov,
             ns_steps=cfg.muon_ns_steps,
-            ns_dtype=muon_ns_dtype(cfg, device),
+            ns_dtype=muon_ns_dtype(cfg, precision_mode),
             adjust_lr=cfg.muon_adjust_lr,
             betas=tuple(cfg.betas),
             eps=cfg.eps,
@@ -54,11 +57,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
 
 
-def muon_ns_dtype(cfg: OptimConfig, device: torch.device) -> str:
-    """`auto`: bfloat16 on an accelerator (Moonlight's), float32 on a CPU (often no bf16 GEMM)."""
+def muon_ns_dtype(cfg: OptimConfig, precision_mode: str) -> str:
+    """`auto`: bfloat16 where the run computes in bf16 (Moonlight's), else float32."""
     if cfg.muon_ns_dtype != "auto":
         return cfg.muon_ns_dtype
-    return "float32" if device.type == "cpu" else "bfloat16"
+    return "bfloat16" if precision_mode in ("bf16", "bf16-mixed") else "float32"
 
 
 def lr_multiplier(step: int, cfg: SchedulerConfig, max_steps: int) -> float:
