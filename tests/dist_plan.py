@@ -48,6 +48,7 @@ cfg = LadleConfig.model_validate(
         "precision": {"mode": spec.get("precision", "fp32")},
         "parallel": spec["parallel"],
         "activation_checkpoint": spec.get("ac", {"mode": "none"}),
+        "optim": {"name": spec.get("optim", "adamw")},
     }
 )
 device = torch.device("cpu")
@@ -78,7 +79,15 @@ real["activations"] = saved
 target = Target(devices=world, memory=2**40, cpu=True)
 m = micro(cfg, lay, target)
 param_bytes = 2 if cfg.precision.mode == "bf16" else 4
-states = mem.state(mem.tensors(cfg.model), lay, param_bytes, cfg.model.n_layers, cfg.parallel.pp_schedule)
+states = mem.state(
+    mem.tensors(cfg.model),
+    lay,
+    param_bytes,
+    cfg.model.n_layers,
+    cfg.parallel.pp_schedule,
+    None,
+    cfg.optim.name,
+)
 mine = dict(states[rank * lay.pp // world])  # pp is the outermost mesh dimension
 ac_mode = {"none": "none", "full": "full"}.get(cfg.activation_checkpoint.mode, "op")
 parts = act.saved(cfg.model, m, cfg.model.n_layers, ac_mode)

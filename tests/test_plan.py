@@ -151,18 +151,21 @@ def test_checkpointing_keeps_less_and_the_modes_are_ordered():
 
 # -- state: exactly the bytes of the real tensors ---------------------------------------------
 @pytest.mark.parametrize(
-    "model_kw, lora",
+    "model_kw, lora, optim",
     [
-        ({}, None),
-        ({"tie_embeddings": True}, None),
-        ({"family": "qwen2", "qkv_bias": True}, None),
-        (MOE, None),
-        ({}, LoRAConfig(rank=4)),
-        ({}, LoRAConfig(rank=4, quantize_base="nf4", dora=True)),
+        ({}, None, "adamw"),
+        ({"tie_embeddings": True}, None, "adamw"),
+        ({"family": "qwen2", "qkv_bias": True}, None, "adamw"),
+        (MOE, None, "adamw"),
+        ({}, LoRAConfig(rank=4), "adamw"),
+        ({}, LoRAConfig(rank=4, quantize_base="nf4", dora=True), "adamw"),
+        ({"family": "qwen2", "qkv_bias": True}, None, "muon"),
+        (MOE, None, "muon"),
+        ({}, LoRAConfig(rank=4, dora=True), "muon"),
     ],
-    ids=["dense", "tied", "bias", "moe", "lora", "qlora-dora"],
+    ids=["dense", "tied", "bias", "moe", "lora", "qlora-dora", "muon-bias", "muon-moe", "muon-dora"],
 )
-def test_state_is_exactly_the_real_tensors(model_kw, lora):
+def test_state_is_exactly_the_real_tensors(model_kw, lora, optim):
     cfg = ModelConfig(**{**SHAPE, **model_kw})
     model = build_model(cfg)
     if lora:
@@ -170,7 +173,7 @@ def test_state_is_exactly_the_real_tensors(model_kw, lora):
         if lora.quantize_base == "nf4":
             quantize_linears(model)
         apply_lora(model, lora)
-    opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    opt = build_optimizer(model, OptimConfig(name=optim), torch.device("cpu"))
     tokens = torch.randint(0, 256, (2, 16))
     model(tokens).float().sum().backward()
     opt.step()
@@ -178,7 +181,7 @@ def test_state_is_exactly_the_real_tensors(model_kw, lora):
     real["params"] += sum(
         b.untyped_storage().nbytes() for n, b in model.named_buffers() if "inv_freq" not in n
     )
-    mine = mem.state(mem.tensors(cfg, True, lora), Layout(), 4, cfg.n_layers)[0]
+    mine = mem.state(mem.tensors(cfg, True, lora), Layout(), 4, cfg.n_layers, optimizer=optim)[0]
     assert {k: mine[k] for k in real} == real
 
 
@@ -194,6 +197,7 @@ DIST = {
     "pp": (2, {"parallel": {"pp": 2}, "accum": 2}),
     "cp": (2, {"parallel": {"cp": 2}}),
     "tp-fsdp": (4, {"parallel": {"tp": 2, "dp_shard": 2}}),
+    "fsdp-muon": (2, {"parallel": {"dp_shard": 2}, "optim": "muon"}),
 }
 
 
@@ -284,6 +288,20 @@ def test_the_seeds_70b_example():
     assert not r64.own.fits and not any(e.fits for e in r64.ranked) and r64.fix is None
     none = plan(big_config(), "pretrain", Target(devices=16, memory=80 * GiB))
     assert not none.own.fits and none.fix and any("activation_checkpoint" in c for c in none.fix[0])
+
+
+def test_muon_keeps_one_buffer_per_matrix_and_a_workspace():
+    """Llama-2-70B TP8 PP2 on 16 devices: Muon's state is AdamW's less one moment of the blocks'
+    matrices; its workspace, the largest matrix (the 28672 x 8192 MLP) whole, in bf16 iterates."""
+    adamw = estimate(big_config(), "pretrain", Layout(tp=8, pp=2), Target(devices=16, memory=80 * GiB))
+    cfg = big_config(optim={"name": "muon"})
+    muon = estimate(cfg, "pretrain", Layout(tp=8, pp=2), Target(devices=16, memory=80 * GiB))
+    saved = adamw.parts["optimizer state"] - muon.parts["optimizer state"]
+    matrices = 4 * 8192 * (8192 + 1024 + 1024 + 8192 + 3 * 28672) // 8  # a block's, TP-local, fp32
+    assert saved == 40 * (matrices + 7 * 4)  # the first stage's 40 blocks (and AdamW's step counts)
+    whole, gram = 28672 * 8192, 8192**2
+    assert muon.parts["optimizer workspace"] == whole * (2 * 4 + 2 * 2) + 3 * gram * 2
+    assert "optimizer workspace" not in adamw.parts
 
 
 def test_pipeline_schedules_hold_different_microbatches():

@@ -399,8 +399,11 @@ class DataConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw"] = Field("adamw", description="the optimizer: AdamW (decoupled weight decay)")
-    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    name: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="the optimizer: `adamw` (decoupled weight decay), or `muon` (Newton-Schulz orthogonalised momentum for the blocks' matrices, AdamW for the rest; docs/training.md)",
+    )
+    lr: float = Field(3e-4, gt=0, description="peak learning rate (Muon's too, by `muon_adjust_lr`)")
     weight_decay: float = Field(0.1, ge=0, description="applied to weight matrices only")
     betas: tuple[float, float] = Field(
         (0.9, 0.95), description="AdamW's decay rates of the first and second moments"
@@ -410,6 +413,21 @@ class OptimConfig(Section):
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = Field(
         "auto",
         description="`fused` (CUDA, CPU), `foreach` (elsewhere), or force `fused`/`foreach`/`for-loop`",
+    )
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon: the momentum buffer's decay")
+    muon_nesterov: bool = Field(
+        True, description="Muon: orthogonalise the Nesterov update g + momentum x buffer"
+    )
+    muon_ns_steps: int = Field(
+        5, ge=1, description="Muon: Newton-Schulz iterations (quintic, Keller Jordan's)"
+    )
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="Muon: the Newton-Schulz iteration's dtype; `auto`: bfloat16 where the run computes in bf16 (`precision.mode` bf16-mixed or bf16), else float32",
+    )
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw",
+        description="Muon: the update's scale; `match_rms_adamw` (Moonlight): lr x 0.2 x sqrt(max(rows, cols)), so AdamW's lr and weight decay carry over; `original` (Keller Jordan's): lr x sqrt(max(1, rows / cols))",
     )
 
     @field_validator("betas")

@@ -14,6 +14,8 @@
   unsharded gradients with their reduce-scatter input, the root's gathered embedding and head for
   the whole step; DDP's gradient buckets; the logits' gradient and the loss's fp32 chunk in
   backward; an RL recipe's generation (KV cache and last-position logits of a rollout batch);
+  Muon's largest matrix gathered whole with its Newton-Schulz iterates (`optim.name: muon`,
+  whose state is one momentum buffer per matrix instead of AdamW's two moments);
 - the runtime (CUDA/CANN context, NCCL/HCCL buffers: `Target.runtime`, 1 GiB by default) and a
   margin for the allocator's fragmentation (`Target.margin` of the rest, 10% by default).
 

@@ -227,6 +227,7 @@ TRANSIENT = (
     "autocast weight copies",
     "loss backward",
     "communication buffers",
+    "optimizer workspace",
 )
 
 
@@ -246,7 +247,8 @@ def _role_parts(cfg, role: Role, lay: Layout, m: act.Micro, target: Target, mode
     reduce_bytes = 2 if p.fsdp_reduce_dtype == "bfloat16" and mode == "bf16-mixed" else param_bytes
     ts = mem.tensors(role.model, role.trained, role.lora)
     out = []
-    for r, st in enumerate(mem.state(ts, lay, param_bytes, role.model.n_layers, p.pp_schedule, p.pp_split)):
+    states = mem.state(ts, lay, param_bytes, role.model.n_layers, p.pp_schedule, p.pp_split, cfg.optim.name)
+    for r, st in enumerate(states):
         prefix = f"{role.name}: " if named else ""
         parts = {
             f"{prefix}parameters": st["params"],
@@ -259,6 +261,11 @@ def _role_parts(cfg, role: Role, lay: Layout, m: act.Micro, target: Target, mode
             flight = in_flight(cfg, lay, r)
             parts["activations"] = int(sum(saved.values()) * flight)
             parts["recomputed block"] = recompute  # checkpointing: one block's activations again
+            if cfg.optim.name == "muon":  # Newton-Schulz on a whole matrix (auto: bf16 in a bf16 run)
+                ns = {"bfloat16": 2, "float32": 4}.get(
+                    cfg.optim.muon_ns_dtype, 2 if mode.startswith("bf16") else 4
+                )
+                parts["optimizer workspace"] = mem.muon_workspace(ts, param_bytes, ns)
             if m.autocast and m.params32 and not lay.fsdp:
                 plain = st["layers"] if ac_mode == "none" else 0
                 copies = plain * mem.block_elements(ts, lay) + (

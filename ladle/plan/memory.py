@@ -9,8 +9,10 @@ whole), experts over `ep` ranks, then FSDP2's dim-0 shard over `dp_shard x cp` r
 the first stage also the embedding, the last the final norm and head. The worst rank is what
 must fit. Checked exactly against `ladle.plan.measure.state_bytes` of real runs.
 
-AdamW keeps two moments in the parameter's dtype and a step count (4 bytes a tensor); gradients
-have the parameter's dtype. Frozen weights have neither; an NF4 base (QLoRA) is stored at 4.13
+AdamW keeps two moments in the parameter's dtype and a step count (4 bytes a tensor); Muon one
+momentum buffer in the parameter's dtype for each matrix it takes (ladle/train/muon.py), AdamW's
+state for the rest, and, while it steps, the largest of them gathered whole with its Newton-Schulz
+iterates (`muon_workspace`); gradients have the parameter's dtype. Frozen weights have neither; an NF4 base (QLoRA) is stored at 4.13
 bits a weight (ladle/models/nf4.py).
 """
 
@@ -24,6 +26,7 @@ import torch
 
 from ladle.config.schema import LoRAConfig, ModelConfig
 from ladle.parallel.mesh import Layout
+from ladle.train.muon import is_muon
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "q_b_proj", "kv_b_proj")
 ROWWISE = ("o_proj", "down_proj")
@@ -119,9 +122,16 @@ def pp_ranks(n_layers: int, lay: Layout, schedule: str, split) -> list[list[int]
 
 
 def state(
-    ts: list[Tensor], lay: Layout, param_bytes: int, n_layers: int, schedule: str = "1f1b", split=None
+    ts: list[Tensor],
+    lay: Layout,
+    param_bytes: int,
+    n_layers: int,
+    schedule: str = "1f1b",
+    split=None,
+    optimizer: str = "adamw",
 ) -> list[dict[str, int]]:
-    """Per pipeline rank: {"params", "grads", "optimizer", "layers"} in bytes (layers: the blocks it holds)."""
+    """Per pipeline rank: {"params", "grads", "optimizer", "layers"} in bytes (layers: the blocks it
+    holds), under `optimizer` (optim.name)."""
     ranks, bounds = pp_ranks(n_layers, lay, schedule, split)
     out = []
     for stages in ranks:
@@ -138,11 +148,27 @@ def state(
                 # Tensor parallel's embedding gradient comes back replicated: whole on every rank.
                 whole = lay.tp > 1 and not lay.fsdp and t.module == "embed_tokens"
                 acc["grads"] += (math.prod(t.shape) if whole else n) * param_bytes
-                acc["optimizer"] += 2 * n * param_bytes + 4
+                if optimizer == "muon" and is_muon(t.name, len(t.shape)):
+                    acc["optimizer"] += n * param_bytes  # the momentum buffer
+                else:
+                    acc["optimizer"] += 2 * n * param_bytes + 4
         acc["layers"] = sum(b - a for s, (a, b) in enumerate(bounds) if s in stages)
         acc["first"], acc["last"] = 0 in stages, len(bounds) - 1 in stages
         out.append(acc)
     return out
+
+
+def muon_workspace(ts: list[Tensor], param_bytes: int, ns_bytes: int) -> int:
+    """Bytes Muon's step holds for its largest matrix (a stack of experts: all of them): the update
+    gathered whole and the result, in the parameter's dtype, and the Newton-Schulz iterate, its
+    next value and three Gram-sized products in `ns_bytes`."""
+    most = 0
+    for t in ts:
+        if t.trained and not t.nf4 and is_muon(t.name, len(t.shape)):
+            rows, cols = t.shape[-2:]
+            whole, gram = math.prod(t.shape), math.prod(t.shape[:-2]) * min(rows, cols) ** 2
+            most = max(most, whole * (2 * param_bytes + 2 * ns_bytes) + 3 * gram * ns_bytes)
+    return most
 
 
 def block_elements(ts: list[Tensor], lay: Layout, layer: int = 0) -> int:

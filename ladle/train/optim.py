@@ -1,4 +1,4 @@
-"""AdamW with sensible parameter groups, and the learning-rate schedules."""
+"""AdamW with sensible parameter groups (or Muon: ladle/train/muon.py), and the learning-rate schedules."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from torch import nn
 
 from ladle import device as dev
 from ladle.config import OptimConfig, SchedulerConfig
+from ladle.train.muon import Muon, muon_param_groups
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
@@ -31,13 +32,36 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False)
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device, precision_mode: str = "fp32"
+) -> torch.optim.Optimizer:
+    """`precision_mode` (resolved): Muon's Newton-Schulz dtype under `optim.muon_ns_dtype: auto`."""
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if dev.fused_adamw_available(device) else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     groups = param_groups(model, cfg.weight_decay, cfg.decay_norms_biases_embeddings)
+    if cfg.name == "muon":
+        return Muon(
+            muon_param_groups(model, groups, cfg.weight_decay),
+            lr=cfg.lr,
+            momentum=cfg.muon_momentum,
+            nesterov=cfg.muon_nesterov,
+            ns_steps=cfg.muon_ns_steps,
+            ns_dtype=muon_ns_dtype(cfg, precision_mode),
+            adjust_lr=cfg.muon_adjust_lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            **kwargs,
+        )
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def muon_ns_dtype(cfg: OptimConfig, precision_mode: str) -> str:
+    """`auto`: bfloat16 where the run computes in bf16 (Moonlight's), else float32."""
+    if cfg.muon_ns_dtype != "auto":
+        return cfg.muon_ns_dtype
+    return "bfloat16" if precision_mode in ("bf16", "bf16-mixed") else "float32"
 
 
 def lr_multiplier(step: int, cfg: SchedulerConfig, max_steps: int) -> float:

@@ -71,7 +71,7 @@ class TrainUnit:
     ):
         self.model, self.device, self.parallel, self.pipeline = model, device, parallel, pipeline
         self.precision = Precision(cfg.precision, device)
-        self.optimizer = build_optimizer(model, cfg.optim, device)
+        self.optimizer = build_optimizer(model, cfg.optim, device, cfg.precision.mode)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler, cfg.train.max_steps)
         self.grad_clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
         self._shapes: dict = {}  # metric shapes under PP (known to the last stage), train and eval
