@@ -9,7 +9,7 @@ w_k), source k's j-th sample is due at time (j + 1/2) / w_k, and the samples are
 order they fall due (ties to the earlier source). At every point of a stretch each source's count
 is within two samples of its share (within half a sample for two sources), and the order is a
 function of the seed, the weights and the global sample index alone, so any data-parallel size
-and a resume give the same samples. A step's draw is a few vectorised operations.
+and a resume give the same samples. The loader draws 16 steps at once: a few vectorised operations.
 
 The weights change at the steps `data.mix_schedule` names, or on a resume whose config gives other
 weights or other sources: a new stretch starts there, from every source's position (a source
@@ -61,8 +61,8 @@ def weights_at(plan: list[tuple[int, dict[str, float]]], step: int) -> dict[str,
 
 class MixedSamples:
     """The samples of a split of every source, numbered one source after the other (sample i of
-    source k is `offsets[k] + i`); `get` adds a `source` row (the source's index per position),
-    which the loss reads for `loss/<name>`."""
+    source k is `offsets[k] + i`); `get` adds its `source` (the source's index; a batch's is one
+    per row), which the loss reads for `loss/<name>`."""
 
     def __init__(self, sources: list[PackedSamples], names: list[str], paths: list[str], name: str = "train"):
         self.sources, self.names, self.paths, self.name = sources, names, paths, name
@@ -79,7 +79,7 @@ class MixedSamples:
     def get(self, i: int) -> dict[str, np.ndarray]:
         k, j = self.locate(i)
         sample = self.sources[k].get(j)
-        sample["source"] = np.full(sample["tokens"].shape, k, dtype=np.int64)
+        sample["source"] = np.array(k, dtype=np.int64)
         return sample
 
 
@@ -146,16 +146,38 @@ class MixOrder:
         src, pos = [], []
         while n > 0:
             st = self.state
-            step, into = divmod(st.g, self.global_batch)
+            step = st.g // self.global_batch
             want = weights_at(self.plan, step)
             if want != st.weights:  # the schedule's next stage starts here
                 st.g0, st.n0, st.weights = st.g, dict(st.drawn), want
-            m = min(n, self.global_batch - into)  # up to the step's end: one set of weights
+            later = [s for s, _ in self.plan if s > step]  # draw up to the next stage: one set of weights
+            m = min(n, later[0] * self.global_batch - st.g) if later else n
             k, p = self._draw(m)
             src.append(k)
             pos.append(p)
             n -= m
         return np.concatenate(src), np.concatenate(pos)
+
+    def steps(self, n: int) -> list[tuple[np.ndarray, np.ndarray, dict]]:
+        """The next n steps' global batches, drawn at once (the draw's cost is mostly fixed), each
+        as (source, position) arrays with the state after it, which that step's checkpoint keeps."""
+        G, names = self.global_batch, self.names
+        st = self.state
+        if st.g % G:
+            raise RuntimeError(f"mixture at sample {st.g}, not at a step's start")
+        drawn, g0, n0, w = np.array([st.drawn[x] for x in names]), st.g0, dict(st.n0), st.weights
+        start = st.g
+        k, pos = self.take(n * G)
+        out = []
+        for i in range(n):  # each step's state, as `take` moved through it
+            at = start + i * G
+            if (want := weights_at(self.plan, at // G)) != w:
+                g0, n0, w = at, dict(zip(names, drawn.tolist(), strict=True)), want
+            part = slice(i * G, (i + 1) * G)
+            drawn = drawn + np.bincount(k[part], minlength=len(names))
+            after = {"g": at + G, "drawn": dict(zip(names, drawn.tolist(), strict=True))}
+            out.append((k[part], pos[part], {**after, "g0": g0, "n0": n0, "weights": w}))
+        return out
 
     def _draw(self, m: int) -> tuple[np.ndarray, np.ndarray]:
         st, names = self.state, self.names
@@ -194,6 +216,9 @@ def _shares(w: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k} {v / total:.0%}" for k, v in w.items()) + "}"
 
 
+AHEAD = 16  # steps a mixture's loader draws at once
+
+
 class MixLoader(PretrainLoader):
     """PretrainLoader over a mixture: each step's global batch is drawn from the `MixOrder`, and
     every rank draws the whole batch (cheap arithmetic) and takes its slice. Logs every source's
@@ -220,15 +245,15 @@ class MixLoader(PretrainLoader):
         self.mix_state = self.mix.snapshot()
 
     def _global(self, step_start: int) -> tuple[np.ndarray, np.ndarray]:
-        """The step's whole global batch as (source, position) arrays (the producer draws them in
-        order; the state after it is kept for the checkpoint of that step)."""
+        """The step's whole global batch as (source, position) arrays. The producer draws them in
+        order, AHEAD steps at a time, each kept with the state after it (for its checkpoint)."""
         if step_start not in self._steps:
             if step_start != self.mix.state.g:
                 raise RuntimeError(
                     f"mixture drawn out of order: step at {step_start}, order at {self.mix.state.g}"
                 )
-            drawn = self.mix.take(self.layout.global_batch)
-            self._steps[step_start] = (drawn, self.mix.snapshot())
+            for k, pos, after in self.mix.steps(AHEAD):
+                self._steps[after["g"] - self.layout.global_batch] = ((k, pos), after)
         return self._steps[step_start][0]
 
     def _mine(self, step_start: int) -> list[tuple[int, int]]:
@@ -248,8 +273,7 @@ class MixLoader(PretrainLoader):
         for m in range(self.layout.grad_accum_steps):
             chunk = refs[m * b : (m + 1) * b]
             batch = collate([sources[k].get(j) for k, j in chunk])
-            rows = torch.tensor([k for k, _ in chunk])  # the source of every position, a row each
-            batch["source"] = rows[:, None].expand_as(batch["tokens"]).contiguous()
+            batch["source"] = torch.tensor([k for k, _ in chunk])  # (B,): each row's source
             if self._pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             out.append(batch)
@@ -300,7 +324,7 @@ def mix_eval_batches(val: MixedSamples, layout: BatchLayout, steps: int, device)
     samples at every evaluation): `val_loss/<name>` each, `val_loss` over all their tokens."""
     for k, src in enumerate(val.sources):
         for b in eval_batches(src, layout, steps, device):
-            b["source"] = torch.full_like(b["tokens"], k)
+            b["source"] = torch.full(b["tokens"].shape[:1], k, device=b["tokens"].device)
             yield b
 
 

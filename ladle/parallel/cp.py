@@ -73,7 +73,11 @@ class ContextParallel:
         positions = batch.get("positions")
         if positions is None:  # RoPE needs each token's global position
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        local = {k: v[:, idx] for k, v in batch.items() if k not in ("positions", "doc_ids", "attention")}
+        local = {  # per-row values (a mixture's `source`) stay whole
+            k: v[:, idx] if v.ndim > 1 else v
+            for k, v in batch.items()
+            if k not in ("positions", "doc_ids", "attention")
+        }
         local["positions"] = positions[:, idx]
         doc_ids = batch.get("doc_ids")
         if self.attention == "ring":

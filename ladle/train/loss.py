@@ -201,9 +201,9 @@ class CausalLMLoss(Loss):
 
 
 class MixLoss(CausalLMLoss):
-    """The causal-LM loss of a data mixture (ladle/data/mix.py), also per source: each batch's
-    `source` row names every position's source, and `loss/<name>` is that source's mean over its
-    target tokens in the step (`val_loss/<name>` in validation)."""
+    """The causal-LM loss of a data mixture (ladle/data/mix.py), also per source: a batch's
+    `source` (B,) names each row's, and `loss/<name>` is that source's mean over its target
+    tokens in the step (`val_loss/<name>` in validation)."""
 
     def __init__(self, names: list[str], moe: MoEConfig | None = None):
         super().__init__(moe)
@@ -213,14 +213,10 @@ class MixLoss(CausalLMLoss):
         targets = batch["targets"]
         valid = targets != IGNORE_INDEX
         nll = -token_logps(logits, targets, IGNORE_INDEX)  # (B, T), 0 where ignored
-        src = batch["source"].flatten()
-        k = len(self.names)
-        sums = torch.zeros(k, dtype=torch.float32, device=nll.device).index_add_(
-            0, src, nll.detach().flatten()
-        )
-        counts = torch.zeros(k, dtype=torch.float32, device=nll.device).index_add_(
-            0, src, valid.flatten().float()
-        )
+        src, k = batch["source"], len(self.names)
+        zeros = torch.zeros(k, dtype=torch.float32, device=nll.device)
+        sums = zeros.index_add(0, src, nll.detach().sum(-1))
+        counts = zeros.index_add(0, src, valid.sum(-1).float())
         return LossOut(nll.sum(), valid.sum(), {"mix_loss": sums, "mix_tokens": counts})
 
     def summarize(self, totals: dict, count: int, parts: int) -> dict:
