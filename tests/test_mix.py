@@ -320,9 +320,10 @@ def test_only_pretraining_reads_a_mixture(tokenizer_dir, sources, tmp_path):
         sft.run(build_config(cfg))
 
 
-def test_tensor_parallel_ranks_share_the_mixture_read_once(tokenizer_dir, sources, tmp_path):
-    """TP=2: the group's first rank draws and broadcasts the batches (with their `source` rows);
-    the per-source losses are those of one process."""
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.cp=2"])
+def test_a_group_of_ranks_shares_the_mixture_read_once(tokenizer_dir, sources, tmp_path, layout):
+    """TP=2 / CP=2: the group's first rank draws and broadcasts the batches (with each row's
+    `source`, which context parallelism keeps whole); the per-source losses are one process's."""
     cfg = mix_config(tokenizer_dir, sources, tmp_path / "one")
     cfg["train"] = {**cfg["train"], "max_steps": 6, "threads": 1}
     assert pretrain.run(build_config(cfg)) == "completed"
@@ -330,7 +331,7 @@ def test_tensor_parallel_ranks_share_the_mixture_read_once(tokenizer_dir, source
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "ladle", "run", "pretrain", "--config", str(path), "--nproc", "2"]
     r = subprocess.run(
-        [*cmd, f"output_dir={tmp_path / 'tp'}", "parallel.tp=2"], capture_output=True, text=True, timeout=300
+        [*cmd, f"output_dir={tmp_path / 'tp'}", layout], capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     one, tp = (
