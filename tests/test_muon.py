@@ -15,7 +15,7 @@ from ladle.checkpoint.dcp import load_model_weights
 from ladle.cli import main
 from ladle.config import ModelConfig, OptimConfig
 from ladle.config.load import build_config
-from ladle.errors import ConfigError
+from ladle.errors import CheckpointError, ConfigError
 from ladle.models.llama import build_model
 from ladle.recipes import pretrain
 from ladle.train.metrics import read_metrics
@@ -182,6 +182,10 @@ def test_resume_gives_identical_losses_and_weights(tiny_config, tmp_path):
     assert a[-1][1] < a[0][1]
     wa, wb = (weights(d / "checkpoints" / "step_00000008", tiny_config) for d in (full, split))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # another optimizer cannot take this state: refused by name, before anything is loaded
+    again = [*over[1:], f"output_dir={split}", "train.resume=auto", "train.max_steps=10"]
+    with pytest.raises(CheckpointError, match="trained with optim.name=muon, not adamw; resume with"):
+        pretrain.run(build_config(tiny_config, again))
 
 
 def weights(checkpoint, cfg):

@@ -128,6 +128,13 @@ def resolve_resume(cfg: LadleConfig, restart: str | None = None, check=verify) -
             f"cannot resume from {path}: its model differs in {'; '.join(diff)}; "
             "resume with the model it was trained with, or start a new output_dir"
         )
+    theirs_optim = theirs.get("optim", {}).get("name", "adamw")
+    if theirs_optim != cfg.optim.name:  # the optimizer state would not fit the other optimizer
+        raise CheckpointError(
+            f"cannot resume from {path}: it was trained with optim.name={theirs_optim}, not {cfg.optim.name}; "
+            f"resume with optim.name={theirs_optim}, or start a new output_dir from its weights "
+            f"(model.init_from: {path})"
+        )
     changed = data_changes(cfg, read_trainer_state(path).get("data_identity"))
     if changed and not cfg.train.allow_data_change:
         raise DataError(
