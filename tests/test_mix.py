@@ -343,3 +343,58 @@ def test_a_group_of_ranks_shares_the_mixture_read_once(tokenizer_dir, sources, t
         for k in keys:
             if k in a:
                 assert b[k] == pytest.approx(a[k], rel=1e-4), k
+
+
+def test_resume_at_a_schedule_step_is_no_change(sources):
+    """A checkpoint at the step a schedule's stage begins: the stage is the config's, not a change."""
+    s = mixed(sources)
+    plan = plan_of({"json": 1, "futures": 2, "urllib": 1}, [{"step": 3, "weights": {"json": 4}}])
+    whole = drawn_ids(loader(s, plan), 6)
+    first = loader(s, plan)
+    for _ in range(3):
+        first.next()
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    again = loader(s, plan)
+    again.load_state_dict(state)
+    assert again.mix.changes == []
+    assert drawn_ids(again, 3) == whole[3:]
+
+
+def test_resume_with_another_global_batch_counts_steps_on(sources):
+    s = mixed(sources)
+    plan = plan_of({"json": 1, "futures": 1, "urllib": 2}, [{"step": 5, "weights": {"urllib": 0}}])
+    first = loader(s, plan, micro=2, accum=2)  # 4 samples a step
+    for _ in range(3):
+        first.next()
+    state = first.state_dict()
+    first.close()
+    assert state["mix"]["step"] == 3 and state["consumed_samples"] == 12
+    again = loader(s, plan, micro=2, accum=4)  # 8 a step: step 5 now begins at sample 12 + 2 x 8
+    again.load_state_dict(state)
+    assert again.mix.changes == []
+    ids = draw(again, 24)
+    assert sum(k == 2 for k, _ in ids[:16]) == 8 and all(k != 2 for k, _ in ids[16:])  # no urllib from step 5
+    assert again.mix.state.g0 == 28
+
+
+def test_a_dropped_source_keeps_its_position(sources):
+    s3 = mixed(sources)
+    first = loader(s3, plan_of({"json": 1, "futures": 1, "urllib": 1}))
+    for _ in range(3):
+        first.next()
+    state, at = first.state_dict(), first.state_dict()["mix"]["drawn"]["urllib"]
+    first.close()
+    two = loader(mixed(sources, names=["json", "futures"]), plan_of({"json": 1, "futures": 1}))
+    two.load_state_dict(state)
+    assert "no longer draws from urllib" in two.mix.changes[0]
+    two.next()
+    later = two.state_dict()
+    two.close()
+    assert later["mix"]["retired"] == {"urllib": at}
+    back = loader(s3, plan_of({"json": 1, "futures": 1, "urllib": 1}))
+    back.load_state_dict(later)
+    assert any(f"adds urllib (again, at its sample {at}" in c for c in back.mix.changes)
+    order = SampleOrder(s3.sizes[2], source_seed(7, "urllib"))
+    mine = [j for k, j in draw(back, 12) if k == 2]
+    assert mine == [order(at + c) for c in range(len(mine))]

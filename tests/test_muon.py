@@ -243,3 +243,11 @@ def test_experts_sharded_over_ep_ranks_train_like_one_process(tokenizer_dir, dat
     cfg_file, one = reference_run(tokenizer_dir, data_dir, tmp_path, QWEN3_MOE)
     launch(cfg_file, tmp_path / "ep", 2, "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch_size=1")
     assert_same_run(one, tmp_path / "ep", cfg_file)
+
+
+def test_muon_refuses_host_offloaded_weights(tiny_config):
+    from ladle.parallel.mesh import check_layout
+
+    cfg = build_config(tiny_config, ["optim.name=muon", "parallel.dp_shard=2", "parallel.cpu_offload=true"])
+    with pytest.raises(ConfigError, match="optim.name=muon cannot take parallel.cpu_offload"):
+        check_layout(cfg, 2)

@@ -95,7 +95,15 @@ def cmd_eval(args) -> int:
     from ladle.ops.evaluate import check_data_fits, evaluate
 
     if args.harness:
+        if args.data or args.task != "loss":
+            raise LadleError(
+                "ladle eval --harness scores the harness's tasks on their own data; drop --data and --task"
+            )
         return cmd_harness(args)
+    given = [f for f, v in (("--include-path", args.include_path), ("--output-path", args.output_path),
+                            ("--num-fewshot", args.num_fewshot)) if v is not None]  # fmt: skip
+    if given:
+        raise LadleError(f"{', '.join(given)}: only with --harness TASKS")
     if not args.data:
         raise LadleError(f"ladle eval --task {args.task} needs --data (only --harness does without)")
     model, tok, device = load_for_inference(args)

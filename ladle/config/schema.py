@@ -314,7 +314,9 @@ class MixSource(Section):
         description="the source's name in metrics (`loss/<name>`), the schedule and events.log",
     )
     path: str = Field(..., description="a folder written by `ladle data prepare` (pretraining text)")
-    weight: float = Field(..., gt=0, description="its share of the samples, relative to the others'")
+    weight: float = Field(
+        ..., gt=0, allow_inf_nan=False, description="its share of the samples, relative to the others'"
+    )
 
 
 class MixStage(Section):
@@ -328,9 +330,9 @@ class MixStage(Section):
     @field_validator("weights")
     @classmethod
     def _check_weights(cls, v):
-        bad = {k: w for k, w in v.items() if not w >= 0}
+        bad = {k: w for k, w in v.items() if not 0 <= w < float("inf")}
         if bad:
-            raise ValueError(f"weights must be >= 0, got {bad}")
+            raise ValueError(f"weights must be finite and >= 0, got {bad}")
         return v
 
 

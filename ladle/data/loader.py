@@ -224,6 +224,8 @@ class PretrainLoader:
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=5)
+            if self._thread.is_alive():  # still reading: the state it would change is not ours yet
+                raise RuntimeError("the data prefetch thread did not stop within 5 s (a read that hangs?)")
             self._thread = None
 
 

@@ -20,7 +20,7 @@ position (samples drawn) and where the current stretch started.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -85,22 +85,22 @@ class MixedSamples:
 
 @dataclass
 class MixState:
-    """Where the mixture stands at global sample `g`: samples drawn from each source, and the
-    stretch of the current weights (its first sample g0, the samples drawn before it n0)."""
+    """Where the mixture stands at global sample `g`: samples drawn from each source, the stretch
+    of the current weights (its first sample g0, the samples drawn before it n0), and the
+    positions of sources a resume dropped (`retired`: kept, should one come back)."""
 
     g: int
     drawn: dict[str, int]
     g0: int
     n0: dict[str, int]
     weights: dict[str, float]
-
-    def to_dict(self) -> dict:
-        return {"g": self.g, "drawn": self.drawn, "g0": self.g0, "n0": self.n0, "weights": self.weights}
+    retired: dict[str, int] = field(default_factory=dict)
 
 
 class MixOrder:
     """Global sample index -> (source, its sample), drawn block after block from a `MixState`
-    (the producer of each step's batches calls `take` in order)."""
+    (the producer of each step's batches calls `steps` in order). Steps are `global_batch`
+    samples from (g_base, step_base): a resume with another global batch starts a new count."""
 
     def __init__(self, samples: MixedSamples, plan, seed: int, global_batch: int):
         self.samples, self.plan, self.global_batch = samples, plan, global_batch
@@ -108,18 +108,31 @@ class MixOrder:
         self.orders = [
             SampleOrder(n, source_seed(seed, name)) for n, name in zip(samples.sizes, self.names, strict=True)
         ]
-        w = weights_at(plan, 0)
         zero = dict.fromkeys(self.names, 0)
-        self.state = MixState(0, dict(zero), 0, dict(zero), w)
+        self.state = MixState(0, dict(zero), 0, dict(zero), weights_at(plan, 0))
+        self.g_base = self.step_base = 0
         self.changes: list[str] = []  # what a resume changed, for events.log
 
+    def step_of(self, g: int) -> int:
+        return self.step_base + (g - self.g_base) // self.global_batch
+
+    def start_of(self, step: int) -> int:
+        return self.g_base + (step - self.step_base) * self.global_batch
+
     def restore(self, consumed: int, saved: dict | None) -> None:
-        """Continues at global sample `consumed` from a checkpoint's state (None: a run that read
-        one folder, or none): the same stretch when the weights and sources are those saved,
-        else a new one from every source's position."""
-        want = weights_at(self.plan, consumed // self.global_batch)
+        """Continues at global sample `consumed` (the start of step `saved["step"]`) from a
+        checkpoint's state (None: a run that read one folder, or none): the same stretch when the
+        weights and sources are those the config gives that point, else a new one from every
+        source's position."""
         saved = saved or {}
-        drawn = {n: int(saved.get("drawn", {}).get(n, 0)) for n in self.names}
+        step = int(saved.get("step", consumed // self.global_batch))
+        self.g_base, self.step_base = consumed, step
+        want = weights_at(self.plan, step)
+        old = {n: int(v) for n, v in saved.get("drawn", {}).items()}
+        retired = {n: int(v) for n, v in saved.get("retired", {}).items()}
+        gone = [n for n in old if n not in self.names]
+        retired.update({n: old[n] for n in gone})
+        drawn = {n: old.get(n, retired.pop(n, 0)) for n in self.names}
         self.changes = []
         if not saved:
             if consumed:
@@ -127,18 +140,21 @@ class MixOrder:
                     f"data.mix begins at sample {consumed:,} (the checkpoint read no mixture)"
                 )
         else:
-            added = [n for n in self.names if n not in saved["drawn"]]
-            gone = [n for n in saved["drawn"] if n not in self.names]
-            if added:
-                self.changes.append(f"data.mix adds {', '.join(added)} (from its first sample)")
+            for n in (n for n in self.names if n not in old):
+                again = f"again, at its sample {drawn[n]:,}" if drawn[n] else "from its first sample"
+                self.changes.append(f"data.mix adds {n} ({again})")
             if gone:
-                self.changes.append(f"data.mix no longer draws from {', '.join(gone)}")
-            if saved["weights"] != want:
+                self.changes.append(f"data.mix no longer draws from {', '.join(gone)} (its position kept)")
+            # the weights of the last step drawn, as this config gives them: a schedule's stage
+            # that begins at this step is no change
+            then = weights_at(self.plan, max(step - 1, 0))
+            if saved["weights"] != then:
                 self.changes.append(f"data.mix weights {_shares(saved['weights'])} -> {_shares(want)}")
         if saved and not self.changes and int(saved["g"]) == consumed:
-            self.state = MixState(consumed, drawn, int(saved["g0"]), dict(saved["n0"]), want)
+            g0, n0, w = int(saved["g0"]), {n: int(v) for n, v in saved["n0"].items()}, saved["weights"]
+            self.state = MixState(consumed, drawn, g0, n0, w, retired)
         else:
-            self.state = MixState(consumed, drawn, consumed, dict(drawn), want)
+            self.state = MixState(consumed, drawn, consumed, dict(drawn), want, retired)
 
     def take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The next n samples as (source index, position in that source's order) arrays,
@@ -146,12 +162,12 @@ class MixOrder:
         src, pos = [], []
         while n > 0:
             st = self.state
-            step = st.g // self.global_batch
+            step = self.step_of(st.g)
             want = weights_at(self.plan, step)
             if want != st.weights:  # the schedule's next stage starts here
                 st.g0, st.n0, st.weights = st.g, dict(st.drawn), want
             later = [s for s, _ in self.plan if s > step]  # draw up to the next stage: one set of weights
-            m = min(n, later[0] * self.global_batch - st.g) if later else n
+            m = min(n, self.start_of(later[0]) - st.g) if later else n
             k, p = self._draw(m)
             src.append(k)
             pos.append(p)
@@ -161,22 +177,25 @@ class MixOrder:
     def steps(self, n: int) -> list[tuple[np.ndarray, np.ndarray, dict]]:
         """The next n steps' global batches, drawn at once (the draw's cost is mostly fixed), each
         as (source, position) arrays with the state after it, which that step's checkpoint keeps."""
-        G, names = self.global_batch, self.names
-        st = self.state
-        if st.g % G:
+        G, names, st = self.global_batch, self.names, self.state
+        if (st.g - self.g_base) % G:
             raise RuntimeError(f"mixture at sample {st.g}, not at a step's start")
         drawn, g0, n0, w = np.array([st.drawn[x] for x in names]), st.g0, dict(st.n0), st.weights
-        start = st.g
+        start, retired = st.g, dict(st.retired)
         k, pos = self.take(n * G)
         out = []
         for i in range(n):  # each step's state, as `take` moved through it
             at = start + i * G
-            if (want := weights_at(self.plan, at // G)) != w:
+            if (want := weights_at(self.plan, self.step_of(at))) != w:
                 g0, n0, w = at, dict(zip(names, drawn.tolist(), strict=True)), want
             part = slice(i * G, (i + 1) * G)
             drawn = drawn + np.bincount(k[part], minlength=len(names))
-            after = {"g": at + G, "drawn": dict(zip(names, drawn.tolist(), strict=True))}
-            out.append((k[part], pos[part], {**after, "g0": g0, "n0": n0, "weights": w}))
+            after = {
+                "g": at + G,
+                "step": self.step_of(at) + 1,
+                "drawn": dict(zip(names, drawn.tolist(), strict=True)),
+            }
+            out.append((k[part], pos[part], {**after, "g0": g0, "n0": n0, "weights": w, "retired": retired}))
         return out
 
     def _draw(self, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -207,8 +226,17 @@ class MixOrder:
         return int(self.samples.offsets[k]) + self.orders[k](int(position))
 
     def snapshot(self) -> dict:
+        """The state at a step's start, as a checkpoint keeps it."""
         st = self.state
-        return MixState(st.g, dict(st.drawn), st.g0, dict(st.n0), dict(st.weights)).to_dict()
+        return {
+            "g": st.g,
+            "step": self.step_of(st.g),
+            "drawn": dict(st.drawn),
+            "g0": st.g0,
+            "n0": dict(st.n0),
+            "weights": dict(st.weights),
+            "retired": dict(st.retired),
+        }
 
 
 def _shares(w: dict[str, float]) -> str:
@@ -283,10 +311,9 @@ class MixLoader(PretrainLoader):
         batches = super().next()
         before, self.mix_state = self.mix_state["drawn"], self._steps[self.last_start][1]
         for name, n in zip(self.samples.names, self.samples.sizes, strict=True):
-            epoch = self.mix_state["drawn"][name] // n if n else 0
-            if epoch > before.get(name, 0) // max(n, 1):
-                step = self.consumed_samples // self.layout.global_batch
-                self.note(f"data.mix source {name} starts epoch {epoch + 1} in step {step}")
+            last = (self.mix_state["drawn"][name] - 1) // n  # the epoch of its last sample drawn
+            if last >= 1 and last > (before.get(name, 0) - 1) // n:
+                self.note(f"data.mix source {name} starts epoch {last + 1} in step {self.mix_state['step']}")
         for s in list(self._steps):  # the producer adds steps ahead; those behind are done
             if s < self.last_start:
                 self._steps.pop(s, None)

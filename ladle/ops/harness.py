@@ -207,9 +207,11 @@ class TrainingHarness:
     def __init__(self, cfg, tokenizer, device: torch.device):
         self.cfg, self.tok, self.device = cfg, tokenizer, device
         self.manager = None  # lm-eval's task index, built on rank 0 at the first evaluation
+        self.calls = 0  # in the store's key: a rollback replays a step, whose key is then taken
 
     def __call__(self, model, step: int) -> dict | None:
-        key = f"ladle/harness/step_{step}"
+        self.calls += 1  # every rank calls at the same points, so the counts agree
+        key = f"ladle/harness/{self.calls}/step_{step}"
         if dist.rank() != 0:
             wait_for(key)
             return None

@@ -62,7 +62,8 @@ class LadleLM(TemplateLM):
         self.batch_size_per_gpu = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_length = max_length or model.cfg.max_seq_len  # HFLM: max_position_embeddings
         self.add_bos_token = add_bos_token  # None: as the tokenizer's post-processor does
-        self.generator = torch.Generator().manual_seed(seed)
+        # on the model's device: torch.multinomial takes a generator of its probabilities' device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.batches = 0  # batches run (forward passes, or generations)
         self.on_batch = None  # called after each batch: a training run's watchdog sees progress
 
@@ -115,6 +116,11 @@ class LadleLM(TemplateLM):
             tokens = torch.zeros((len(inps), width), dtype=torch.long)
             keep = torch.zeros((len(inps), width), dtype=torch.bool)
             for i, (x, (_, _, cont)) in enumerate(zip(inps, chunk, strict=True)):
+                if len(cont) > self.max_length:  # as HFLM: a continuation must fit the model
+                    raise ValueError(
+                        f"a continuation of {len(cont)} tokens is longer than the model's "
+                        f"{self.max_length} positions (max_seq_len)"
+                    )
                 tokens[i, : len(x)] = torch.tensor(x)
                 keep[i, len(x) - len(cont) : len(x)] = True  # the positions that predict the continuation
             logits = self.model(tokens.to(self.device), keep=keep.to(self.device))  # (N, vocab)

@@ -151,6 +151,8 @@ def plots(run: Run, out: Path) -> list[Path]:
     for k in others:
         if "/" in k:
             prefix = k.split("/")[0]
+            if prefix == "harness":  # harness/<task>/<metric>: a plot per task, its metrics together
+                prefix = "harness_" + k.split("/")[1]
             groups.setdefault("loss" if prefix == "val_loss" else prefix, []).append(k)
         elif len(run.series(k)[0]) >= 2:  # the recipe's own: rewards, KL, entropy, expert load ...
             line(f"metric_{k}", k, k, [k])

@@ -139,6 +139,10 @@ def check_layout(cfg: LadleConfig, world: int, roles: int = 1, why: str = "") ->
         errors.append("ep > 1 in a separated placement is not supported yet")
     if cfg.parallel.cpu_offload and not lay.fsdp:
         errors.append("parallel.cpu_offload needs FSDP (dp_shard > 1)")
+    if cfg.parallel.cpu_offload and cfg.optim.name == "muon":  # its gathers would run on host tensors
+        errors.append(
+            "optim.name=muon cannot take parallel.cpu_offload (it gathers each update on the device); drop one"
+        )
     if errors:
         raise ConfigError(f"parallel layout {lay.describe()} for world size {world}: " + "; ".join(errors))
     return lay

@@ -17,6 +17,7 @@ from ladle.parallel.mesh import Layout
 from ladle.plan import activations as act
 from ladle.plan import memory as mem
 from ladle.rl.roles import scorer_config
+from ladle.train.optim import muon_ns_dtype
 from ladle.units import GiB
 
 
@@ -261,11 +262,9 @@ def _role_parts(cfg, role: Role, lay: Layout, m: act.Micro, target: Target, mode
             flight = in_flight(cfg, lay, r)
             parts["activations"] = int(sum(saved.values()) * flight)
             parts["recomputed block"] = recompute  # checkpointing: one block's activations again
-            if cfg.optim.name == "muon":  # Newton-Schulz on a whole matrix (auto: bf16 in a bf16 run)
-                ns = {"bfloat16": 2, "float32": 4}.get(
-                    cfg.optim.muon_ns_dtype, 2 if mode.startswith("bf16") else 4
-                )
-                parts["optimizer workspace"] = mem.muon_workspace(ts, param_bytes, ns)
+            if cfg.optim.name == "muon":  # Newton-Schulz on a whole matrix
+                ns = 2 if muon_ns_dtype(cfg.optim, mode) == "bfloat16" else 4
+                parts["optimizer workspace"] = mem.muon_workspace(ts, param_bytes, ns, lay)
             if m.autocast and m.params32 and not lay.fsdp:
                 plain = st["layers"] if ac_mode == "none" else 0
                 copies = plain * mem.block_elements(ts, lay) + (

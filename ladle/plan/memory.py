@@ -158,15 +158,22 @@ def state(
     return out
 
 
-def muon_workspace(ts: list[Tensor], param_bytes: int, ns_bytes: int) -> int:
-    """Bytes Muon's step holds for its largest matrix (a stack of experts: all of them): the update
-    gathered whole and the result, in the parameter's dtype, and the Newton-Schulz iterate, its
-    next value and three Gram-sized products in `ns_bytes`."""
+def muon_workspace(ts: list[Tensor], param_bytes: int, ns_bytes: int, lay: Layout | None = None) -> int:
+    """Bytes Muon's step holds for its largest matrix (a stack of experts: all of them, or this
+    rank's when split by expert alone): the update gathered whole and the result, in the
+    parameter's dtype, and the Newton-Schulz iterate, its next value and three Gram-sized products
+    in `ns_bytes`."""
     most = 0
     for t in ts:
         if t.trained and not t.nf4 and is_muon(t.name, len(t.shape)):
             rows, cols = t.shape[-2:]
-            whole, gram = math.prod(t.shape), math.prod(t.shape[:-2]) * min(rows, cols) ** 2
+            shape = t.shape
+            if len(shape) == 3 and lay is not None and lay.fsdp + (lay.ep > 1) == 1:
+                shape = (local_shape(t, lay)[0], rows, cols)  # one plain Shard(0): experts stay local
+            whole, gram = (
+                math.prod(shape),
+                shape[0] * min(rows, cols) ** 2 if len(shape) == 3 else min(rows, cols) ** 2,
+            )
             most = max(most, whole * (2 * param_bytes + 2 * ns_bytes) + 3 * gram * ns_bytes)
     return most
 

@@ -50,6 +50,15 @@ def make_loaders(cfg: LadleConfig, par: Parallel, samples, found, device, run):
     count, batches = (mix_eval_count, mix_eval_batches) if mixed else (eval_batch_count, eval_batches)
     n_eval = count(val, layout, t.eval_steps)
     evaluate = (lambda: batches(val, layout, t.eval_steps, device)) if n_eval else None
+    if mixed and t.eval_steps and n_eval:  # a source too small for one batch has no val_loss/<name>
+        short = [n for n, v in zip(val.names, val.sources, strict=True) if not eval_batch_count(v, layout, 1)]
+        if short:
+            run.events(
+                f"no val_loss/<name> for data.mix source(s) {', '.join(short)}: their val split holds fewer "
+                f"than one batch of {t.micro_batch_size * par.dp_size} samples; prepare them with a "
+                "larger --val-fraction",
+                level="warning",
+            )
     if t.eval_steps and not n_eval:
         run.events(
             f"no validation: the val split has {len(val)} samples, fewer than one batch of "

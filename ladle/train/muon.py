@@ -101,9 +101,17 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
 
 def orthogonalise(u: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """newton_schulz of the whole matrix; a DTensor is gathered, and each rank keeps its shard of
-    the result (cut locally: every rank holds the same whole matrix)."""
+    the result (cut locally: every rank holds the same whole matrix), unless it is a stack of
+    experts split by expert."""
     if not isinstance(u, DTensor):
         return newton_schulz(u, steps, dtype)
+    if u.ndim == 3 and all(
+        (type(pl) is Shard and pl.dim == 0) or isinstance(pl, Replicate) for pl in u.placements
+    ):
+        # a stack of experts split by expert (expert parallel, FSDP's dim 0): each rank holds
+        # whole experts and orthogonalises its own, no collective
+        local = newton_schulz(u.to_local(), steps, dtype)
+        return DTensor.from_local(local, u.device_mesh, u.placements, shape=u.shape, stride=u.stride())
     whole = newton_schulz(u.full_tensor(), steps, dtype)
     return distribute_tensor(whole, u.device_mesh, u.placements, src_data_rank=None)
 
