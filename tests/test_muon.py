@@ -213,6 +213,8 @@ LAYOUTS = {
     "fsdp dp_shard=2": (2, ["parallel.dp_shard=2", "train.micro_batch_size=1"]),
     "tp=2": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
     "dp_shard=2 x tp=2": (4, ["parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch_size=1"]),
+    "pp=2": (2, ["parallel.pp=2", "parallel.dp_shard=1"]),
+    "ddp dp_replicate=2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch_size=1"]),
 }
 
 
