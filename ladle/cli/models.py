@@ -61,12 +61,11 @@ def cmd_harness(args) -> int:
     is one JSON object with the harness's results (task -> its metric keys -> value)."""
     import time
 
-    from ladle.ops.harness import check_tasks, ladle_lm, require_lm_eval, run_harness, task_manager
+    from ladle.ops.harness import checked_tasks, ladle_lm, run_harness
 
-    require_lm_eval("ladle eval --harness")
     tasks = [t.strip() for t in args.harness.split(",") if t.strip()]
-    manager = task_manager(args.include_path)
-    check_tasks(tasks, manager)  # before the model loads: a typo costs seconds
+    # before the model loads: a typo costs seconds
+    manager = checked_tasks(tasks, args.include_path, what="ladle eval --harness")
     model, tok, device = load_for_inference(args)
     t0 = time.perf_counter()
     out = run_harness(

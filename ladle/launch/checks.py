@@ -46,12 +46,14 @@ class RecipeChecks(Protocol):
 @dataclass
 class Checked:
     """What the checks found: the config with init_from resolved, the layout (when a world size
-    was given), the tokenizer and the data folder's meta.json (when paths were checked)."""
+    was given), the tokenizer, the data folder's meta.json and `eval.harness`'s task index (when
+    paths were checked)."""
 
     cfg: LadleConfig
     layout: object = None  # ladle.parallel.mesh.Layout
     tokenizer: object = None  # ladle.data.tokenizer.Tokenizer
     meta: dict | None = None
+    harness_tasks: object = None  # lm_eval.tasks.TaskManager
 
     def __getitem__(self, key):  # found["tokenizer"], found["meta"]
         return getattr(self, key)
@@ -79,7 +81,7 @@ def check(
         check_data_task(cfg, recipe, found.meta)
         recipe.check_paths(cfg)  # the other models a recipe reads
     if paths and cfg.eval.harness:
-        check_harness(cfg, recipe)
+        found.harness_tasks = check_harness(cfg, recipe)
     if world:
         placement = recipe.placement(cfg) if recipe is not None else None
         found.layout = check_layout(cfg, world, *(placement or ()))
@@ -90,10 +92,11 @@ def check(
     return found
 
 
-def check_harness(cfg: LadleConfig, recipe: RecipeChecks | None) -> None:
+def check_harness(cfg: LadleConfig, recipe: RecipeChecks | None):
     """eval.harness can run: a language model on one copy of the weights, lm-eval installed, the
-    tasks known and their data files there (a typo fails here, not after hours of training)."""
-    from ladle.ops.harness import check_tasks, require_lm_eval, task_manager
+    tasks known and their data files there (a typo fails here, not after hours of training).
+    Returns lm-eval's task index, which the run's evaluations use."""
+    from ladle.ops.harness import checked_tasks
 
     if cfg.model.head != "lm":
         raise ConfigError("eval.harness scores a language model; a reward model (head: score) has no LM head")
@@ -103,10 +106,13 @@ def check_harness(cfg: LadleConfig, recipe: RecipeChecks | None) -> None:
         )
     if recipe is not None and recipe.placement(cfg) is not None:
         raise ConfigError("eval.harness: not with a separated placement yet; set eval.harness: []")
-    require_lm_eval("eval.harness")
-    field = "eval.harness_include_path"
-    manager = task_manager(cfg.eval.harness_include_path, field=field)
-    check_tasks(cfg.eval.harness, manager, field="eval.harness", include_field=field)
+    return checked_tasks(
+        cfg.eval.harness,
+        cfg.eval.harness_include_path,
+        what="eval.harness",
+        field="eval.harness",
+        include_field="eval.harness_include_path",
+    )
 
 
 def check_memory(cfg: LadleConfig, recipe: str, layout) -> None:

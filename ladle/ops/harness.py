@@ -43,6 +43,22 @@ def task_manager(include_path: str | Path | None = None, *, field: str = "--incl
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
+def checked_tasks(
+    tasks: list[str],
+    include_path,
+    *,
+    what: str,
+    field: str = "--harness",
+    include_field: str = "--include-path",
+):
+    """lm-eval's task index (its registry and `include_path`), once lm-eval is known to be there
+    and every task in `tasks` is in the index with its local data files (what asks: `what`)."""
+    require_lm_eval(what)
+    manager = task_manager(include_path, field=include_field)
+    check_tasks(tasks, manager, field=field, include_field=include_field)
+    return manager
+
+
 def check_tasks(
     tasks: list[str], manager, *, field: str = "--harness", include_field: str = "--include-path"
 ):
@@ -204,9 +220,10 @@ class TrainingHarness:
     the watchdog seeing rank 0's progress (each batch is a new phase) and the waiting ranks in a
     collective, so a hang names rank 0; returns the metric records on rank 0, else None."""
 
-    def __init__(self, cfg, tokenizer, device: torch.device):
+    def __init__(self, cfg, tokenizer, device: torch.device, manager=None):
         self.cfg, self.tok, self.device = cfg, tokenizer, device
-        self.manager = None  # lm-eval's task index, built on rank 0 at the first evaluation
+        # lm-eval's task index: the pre-launch check's, else built on rank 0 at the first evaluation
+        self.manager = manager
         self.calls = 0  # in the store's key: a rollback replays a step, whose key is then taken
 
     def __call__(self, model, step: int) -> dict | None:

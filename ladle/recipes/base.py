@@ -185,7 +185,7 @@ def harness_hook(cfg: LadleConfig, par: Parallel, device: torch.device, found: C
     rank takes part), scored there while the others wait (ladle/ops/harness.py)."""
     from ladle.ops.harness import TrainingHarness
 
-    harness = TrainingHarness(cfg.eval, found["tokenizer"], device)
+    harness = TrainingHarness(cfg.eval, found["tokenizer"], device, found.harness_tasks)  # the check's index
 
     def run_at(model, step: int) -> dict | None:
         plain = gather_model(model, par, cfg.model, cfg.lora)
