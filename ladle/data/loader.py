@@ -171,12 +171,16 @@ class PretrainLoader:
 
     def step_batches(self, step_start: int) -> list[dict[str, torch.Tensor]]:
         out = []
-        for idx in self.layout.rank_indices(step_start):
-            batch = collate([self.samples.get(self.order(g)) for g in idx])
+        for batch in self.microbatches(step_start):
             if self._pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             out.append(batch)
         return out
+
+    def microbatches(self, step_start: int):
+        """This rank's microbatches of the step starting at `step_start`, collated."""
+        for idx in self.layout.rank_indices(step_start):
+            yield collate([self.samples.get(self.order(g)) for g in idx])
 
     def _produce(self, start: int) -> None:
         g = start

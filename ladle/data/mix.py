@@ -257,7 +257,8 @@ class MixLoader(PretrainLoader):
     ):
         super().__init__(samples, layout, seed=seed, device=device, prefetch=prefetch)
         self.mix = MixOrder(samples, plan, seed, layout.global_batch)
-        self._steps: dict[int, tuple[list[int], dict]] = {}  # step start -> (its samples, the state after)
+        # step start -> ((source, position) arrays of its global batch, the state after it)
+        self._steps: dict[int, tuple[tuple[np.ndarray, np.ndarray], dict]] = {}
         self.mix_state = self.mix.snapshot()
         self.note = lambda text: None  # events.log (the run's), for a resume's changes and new epochs
 
@@ -294,18 +295,14 @@ class MixLoader(PretrainLoader):
             for g in idx
         ]
 
-    def step_batches(self, step_start: int) -> list[dict[str, torch.Tensor]]:
+    def microbatches(self, step_start: int):
         refs, b = self._mine(step_start), self.layout.micro_batch_size
         sources = self.samples.sources
-        out = []
         for m in range(self.layout.grad_accum_steps):
             chunk = refs[m * b : (m + 1) * b]
             batch = collate([sources[k].get(j) for k, j in chunk])
             batch["source"] = torch.tensor([k for k, _ in chunk])  # (B,): each row's source
-            if self._pin:
-                batch = {k: v.pin_memory() for k, v in batch.items()}
-            out.append(batch)
-        return out
+            yield batch
 
     def next(self):
         batches = super().next()
