@@ -5,8 +5,8 @@ Both read the same tokens: the stdlib's *.py files (--limit-mb of them) prepared
 folder and once split three ways into sources. Each measures `step_batches` (what the prefetch
 thread runs: the sample order, the reads, the collation) over --steps steps of one rank's slice,
 in rank 0 of --dp data-parallel ranks: a mixture's rank draws the whole global batch's order and
-reads its slice, so more ranks is its worst case. Alternating runs, medians over --repeats. Prints
-one JSON line.
+reads its slice, so more ranks is its worst case. Alternating runs, medians over --repeats; then the
+order's draw alone, per step of the global batch (`draw_us_per_step`). Prints one JSON line.
 
     python bench/mix_loader.py --limit-mb 8 --repeats 5
 """
@@ -99,6 +99,11 @@ def main() -> int:
         runs["one_folder"].append(rate(one(), args.steps))
         runs["mixture"].append(rate(mix(), args.steps))
     med = {k: statistics.median(v) for k, v in runs.items()}
+    order = mix().mix  # the order alone: a whole global batch's draw, 16 steps at a time as the loader
+    t0 = time.perf_counter()
+    for _ in range(20):
+        order.steps(16)
+    draw_us = (time.perf_counter() - t0) / (20 * 16) * 1e6
     print(
         json.dumps(
             {
@@ -111,6 +116,7 @@ def main() -> int:
                 "samples_per_s_median": {k: round(v, 1) for k, v in med.items()},
                 "runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},
                 "mixture_vs_one_folder": round(med["mixture"] / med["one_folder"], 3),
+                "draw_us_per_step": round(draw_us, 1),
             }
         )
     )
