@@ -194,9 +194,9 @@ def check_data(cfg: LadleConfig, tok) -> dict:
 def _check_folder(cfg: LadleConfig, key: str, path: str, tok) -> dict:
     try:
         meta = load_meta(path)
-    except DataError as e:
+        check_files(path, meta, checksums=cfg.data.verify == "checksums")
+    except DataError as e:  # a mixture's: which source
         raise DataError(f"{key} {e}" if cfg.data.mix else str(e)) from e
-    check_files(path, meta, checksums=cfg.data.verify == "checksums")
     theirs = meta.get("tokenizer_hash")
     if theirs and theirs != tok.hash:
         raise DataError(
