@@ -53,7 +53,7 @@ def policy():
         decode=lambda ids: "".join(chr(97 + i % 26) for i in ids),
         dtype=torch.float32,
         max_len=128,
-        engine_args={},
+        engine_args={"block_size": 32},  # the CPU build's smallest: prompts past it share cached blocks
         device=torch.device("cpu"),
     )
     yield model, opt, engine
@@ -125,8 +125,12 @@ def test_weights_follow_the_policy_and_a_skipped_sync_shows(policy):
         opt.step()
     assert engine.stale  # the optimizer's steps marked the engine's copy stale
 
+    # a prompt past one cache block: its first block's keys and values are cached by the first
+    # generation, with the weights the engine has then
+    prompts = [*PROMPTS, [5 + j % 80 for j in range(40)]]
+
     def gap() -> float:
-        r = engine.generate(PROMPTS, [0, 1, 2], sampling, step=9)
+        r = engine.generate(prompts, [0, 1, 2, 3], sampling, step=9)
         batch = sequences(r)
         with torch.no_grad():
             lp = response_logps(model, batch)
@@ -137,7 +141,7 @@ def test_weights_follow_the_policy_and_a_skipped_sync_shows(policy):
     assert gap() > 1e-2
     engine.mark_stale()
     assert engine.sync_weights() > 0
-    assert gap() < 2e-4
+    assert gap() < 2e-4  # the new weights throughout: the sync emptied the prefix cache
 
 
 def test_more_prompt_tokens_than_one_engine_step_takes(policy):

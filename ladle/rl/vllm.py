@@ -15,8 +15,9 @@ Weights that follow the policy: after an optimizer step (or a state load: resume
 next `sync_weights` streams the policy's weights to the engine in Hugging Face names, one tensor
 at a time, each gathered from its FSDP / TP shards when its turn comes and LoRA adapters merged on
 the fly (ladle/models/stream.py `stream_hf`), into the worker's `reload_weights`, which also
-redoes a backend's post-load packing. No rank holds a second whole copy of the model. The time is
-logged as `weight_sync_s`.
+redoes a backend's post-load packing, and empties the prefix cache, whose blocks were computed
+with the old weights. No rank holds a second whole copy of the model. The time is logged as
+`weight_sync_s`.
 
 Sampling: one request per (prompt, sample), seeded from the same key as ladle's own streams
 (ladle/rl/rollout.py `row_seed`), so a response depends on its key, not on its batch; the
@@ -221,8 +222,14 @@ class VLLMEngine(RolloutEngine):
         if self.stale:
             pairs = stream_hf(self.model, self.model_cfg, self.dtype, untie=True)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
-            self.stale = False
+            self.fresh_weights()
         return time.perf_counter() - t0
+
+    def fresh_weights(self) -> None:
+        """New weights are in: the prefix cache's blocks hold keys and values of the old ones (a
+        prompt's shared chat-template start would be read from them), so it starts empty."""
+        self.llm.reset_prefix_cache()
+        self.stale = False
 
     def connect(self, host: str, port: int) -> None:
         """A separated engine: its worker joins the trainer rank's private group."""
@@ -235,7 +242,7 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up()
             self.asleep = False
         self.llm.collective_rpc("ladle_receive")
-        self.stale = False
+        self.fresh_weights()
         return time.perf_counter() - t0
 
     def generate(self, prompts, prompt_index, sampling: Sampling, *, step: int) -> Rollouts:
