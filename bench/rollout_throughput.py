@@ -15,6 +15,10 @@ and the ratios of sharing to not sharing:
 
     python bench/rollout_throughput.py [--repeats 3] [--prompts 8] [--samples 8] [--prompt-len 256] [--new-tokens 64] [--engines ladle,vllm]
 
+`--moe`: bench-30m's MoE variant (Qwen3-MoE: 8 experts of 352, 2 a token, in every layer), and
+for vLLM the cost of recording its routing (routing replay, `routing_agreement`): the engine as an
+MoE policy's runs it against one that records nothing, both with the prefix cache.
+
 `vllm` needs the extra (`make setup-vllm`).
 """
 
@@ -39,17 +43,23 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--engines", default="ladle", help="comma-separated: ladle, vllm")
+    ap.add_argument(
+        "--moe", action="store_true", help="the MoE variant; vLLM with and without routing recorded"
+    )
     a = ap.parse_args()
 
     from ladle import device as dev
     from ladle import distributed as dist
-    from ladle.config.schema import ModelConfig
+    from ladle.config.schema import ModelConfig, MoEConfig
     from ladle.models.generation import sample
     from ladle.models.llama import build_model
     from ladle.rl.rollout import Sampling
 
     dtype = getattr(torch, a.dtype)
     cfg = ModelConfig(**{**BENCH_30M, "max_seq_len": a.prompt_len + a.new_tokens})
+    if a.moe:
+        moe = MoEConfig(n_experts=8, top_k=2, ffn_dim=352)
+        cfg = cfg.model_copy(update={"family": "qwen3_moe", "qk_norm": True, "moe": moe})
     torch.manual_seed(0)
     model = build_model(cfg).to(dtype).eval()
     g = torch.Generator().manual_seed(1)
@@ -78,11 +88,16 @@ def main() -> None:
         from ladle.rl.vllm import VLLMEngine
 
         dist.init(torch.device("cpu"))
-        for label, caching in (("vllm prefix cache", True), ("vllm no prefix cache", False)):
+        variants = (  # label, prefix cache, routing recorded
+            (("vllm routing recorded", True, True), ("vllm prefix cache", True, False))
+            if a.moe
+            else (("vllm prefix cache", True, False), ("vllm no prefix cache", False, False))
+        )
+        for label, caching, routing in variants:
             engine = VLLMEngine(
                 model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), seed=0, end_ids=set(),
                 decode=None, dtype=dtype, max_len=cfg.max_seq_len,
-                engine_args={"enable_prefix_caching": caching}, device=torch.device("cpu"),
+                engine_args={"enable_prefix_caching": caching}, device=torch.device("cpu"), routing=routing,
             )  # fmt: skip
             engine.sync_weights()
 
@@ -103,13 +118,16 @@ def main() -> None:
     ratios = {}
     if "ladle shared" in med:
         ratios["ladle"] = round(med["ladle shared"] / med["ladle unshared"], 3)
-    if "vllm prefix cache" in med:
+    if "vllm no prefix cache" in med:
         ratios["vllm"] = round(med["vllm prefix cache"] / med["vllm no prefix cache"], 3)
+    recording = {}
+    if "vllm routing recorded" in med:
+        recording["vllm"] = round(med["vllm routing recorded"] / med["vllm prefix cache"], 3)
     print(
         json.dumps(
             {
                 "bench": "rollout_throughput",
-                "model": "bench-30m",
+                "model": "bench-30m-moe" if a.moe else "bench-30m",
                 "dtype": a.dtype,
                 "machine": f"{platform.machine()} {dev.device_name(dev.pick_device('auto'))}, "
                 f"{torch.get_num_threads()} threads",
@@ -117,6 +135,7 @@ def main() -> None:
                 "work": f"{a.prompts} prompts of {a.prompt_len} tokens x {a.samples} samples, {a.new_tokens} new tokens",
                 "new_tokens_per_s_median": med,
                 "sharing_speedup": ratios,
+                **({"routing_recorded_over_not": recording} if recording else {}),
                 "runs": {k: [round(x, 1) for x in v] for k, v in got.items()},
             }
         )

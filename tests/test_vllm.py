@@ -219,6 +219,116 @@ def test_both_engines_give_the_same_episodes_greedy_in_fp32(policy, tmp_path):
         assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=2e-4)
 
 
+# -- an MoE policy's routing, recorded by vLLM's worker (ladle/rl/vllm_worker.py RoutingRecorder)
+@pytest.fixture(scope="module")
+def moe_policy(policy):
+    """A tiny Qwen3-MoE policy and an engine of its own that records its routing. vLLM holds one
+    engine's parallel state a process: the dense engine (whose tests come first) is shut down."""
+    from ladle import distributed as dist
+    from ladle.config.schema import ModelConfig, MoEConfig
+    from ladle.models.llama import build_model
+    from ladle.rl.vllm import VLLMEngine
+
+    torch.manual_seed(1)
+    cfg = ModelConfig(
+        vocab_size=96, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256, max_seq_len=128,
+        family="qwen3_moe", qk_norm=True, moe=MoEConfig(n_experts=6, top_k=2, ffn_dim=64),
+    )  # fmt: skip
+    model = build_model(cfg).eval()
+    dist.shutdown()  # the dense engine, then the group
+    dist.init(torch.device("cpu"))
+    engine = VLLMEngine(
+        model, cfg, optimizer=None, seed=3, end_ids={END}, decode=None, dtype=torch.float32, max_len=128,
+        engine_args={"block_size": 32}, device=torch.device("cpu"), routing=True,
+    )  # fmt: skip
+    yield model, engine
+    engine.close()
+    dist.shutdown()
+
+
+def routed(model, tokens: list[int]) -> torch.Tensor:
+    """(T, MoE layers, k): the experts the trainer's plain forward sends each token to."""
+    from ladle.models.moe import choices
+
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    return choices(model).view(len(tokens), -1, 2)
+
+
+def test_vllm_records_the_routing_the_trainer_routes_by(moe_policy, monkeypatch):
+    """Every token a row read (its prompt, its response but the last token) has the experts the
+    trainer's router chooses for it, also the positions vLLM's prefix cache served (filled from
+    the row that computed their block) and after new weights (the blocks' routing forgotten).
+    The engine's log-probs are the trainer's (vLLM's CPU experts are packed again on reload)."""
+    import numpy as np
+
+    from ladle.models.moe import MoE
+    from ladle.rl.rollout import Sampling, response_logps, sequences
+
+    model, engine = moe_policy
+    engine.sync_weights()
+    served = []  # rows whose first computed position is past the first cache block
+    routes = engine.routes
+
+    def spy(read, rec):
+        rows, pos = (np.frombuffer(rec[key], dtype=np.int64) for key in ("rows", "positions"))
+        served.extend(int(k) for k in np.unique(rows) if pos[rows == k].min() >= 32)
+        return routes(read, rec)
+
+    monkeypatch.setattr(engine, "routes", spy)
+    long = [5 + j % 80 for j in range(40)]  # past one cache block of 32 tokens
+    sampling = Sampling(n=2, temperature=1.0, max_new_tokens=8)
+
+    def check(prompts, step) -> None:
+        r = engine.generate(prompts, list(range(len(prompts))), sampling, step=step)
+        # the engine computes the trainer's model: its experts packed again after each reload
+        batch = sequences(r)
+        with torch.no_grad():
+            lp = response_logps(model, batch)
+        mask = batch["targets"] != -100
+        assert torch.allclose(batch["sample_logps"][mask], lp[mask], atol=2e-4)
+        for p, ids, rt in zip(r.prompt_ids, r.response_ids, r.routing, strict=True):
+            want = routed(model, p + ids[:-1])
+            assert rt.shape == want.shape and rt.dtype == torch.int16 and (rt >= 0).all()
+            assert (rt.long().sort(-1).values == want.sort(-1).values).all()
+
+    check([long, [9, 10]], step=0)  # the long prompt's second sample: its first block served
+    assert served == [1]
+    served.clear()
+    check([long, long[:36] + [7, 8, 9]], step=1)  # both prompts start with that block
+    assert sorted(served) == [0, 1, 2, 3]
+    with torch.no_grad():  # new weights: the routers choose otherwise
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.gate.weight.add_(torch.randn_like(m.gate.weight))
+    engine.mark_stale()
+    engine.sync_weights()
+    served.clear()
+    check([long], step=2)  # computed again, with the new weights
+    served.clear()
+    check([long], step=3)  # and served, the block's routing the new weights' (the old forgotten)
+    assert sorted(served) == [0, 1]
+
+
+def test_replay_with_a_vllm_that_cannot_record_routing_is_refused(monkeypatch):
+    """The worker records from vLLM's V1 model runner: a run that forces the V2 runner and asks
+    for routing replay is refused by name before vLLM starts."""
+    from ladle.config.schema import ModelConfig, MoEConfig
+    from ladle.errors import ConfigError
+    from ladle.rl.vllm import VLLMEngine
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    cfg = ModelConfig(
+        vocab_size=96, dim=128, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=256, max_seq_len=64,
+        family="qwen3_moe", qk_norm=True, moe=MoEConfig(n_experts=4, top_k=2, ffn_dim=64),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"grpo.routing_replay: this vLLM's routing cannot be recorded "):
+        VLLMEngine(
+            None, cfg, optimizer=None, seed=0, end_ids={END}, decode=None, dtype=torch.float32, max_len=64,
+            engine_args={}, device=torch.device("cpu"), where="grpo.engine_args", routing=True, replay=True,
+        )  # fmt: skip
+
+
 # -- the recipes with engine: vllm (after the tests above: a run's end shuts the module's engine
 # down with the process group) --------------------------------------------------------------------
 def vllm_grpo(chat_tokenizer, prompt_data, out, **grpo) -> dict:
@@ -332,6 +442,38 @@ def test_grpo_on_the_vllm_engine_under_fsdp_equals_one_process(chat_tokenizer, p
         assert b["rollout_logprob_diff"] < 1e-3 and b["weight_sync_s"] > 0
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6)
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
+
+
+def test_grpo_on_a_moe_policy_replays_vllms_routing(chat_tokenizer, prompt_data, tmp_path):
+    """GRPO with vLLM on a tiny MoE policy logs routing_agreement, 1.0 at the first update in fp32
+    (the engine's routing is the trainer's), without routing replay (colocated) and with it on
+    a separated engine rank (the routing crosses from vLLM's engine process); replaying the
+    sampler's routing is then the same forward."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    cfg = vllm_grpo(chat_tokenizer, prompt_data, tmp_path / "plain", num_iterations=2)
+    cfg["model"].update(family="qwen3_moe", qk_norm=True, moe={"n_experts": 4, "top_k": 2, "ffn_dim": 32})
+    cfg["train"]["max_steps"] = 2
+    assert load("grpo").run(build_config(cfg)) == "completed"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    over = [f"output_dir={tmp_path / 'replay'}", "grpo.placement=separated", "grpo.routing_replay=true"]
+    cmd = [sys.executable, "-m", "ladle", "run", "grpo", "--config", str(path), "--nproc", "2", *over]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    plain, replay = ([r for r in read_metrics(tmp_path / n) if "loss" in r] for n in ("plain", "replay"))
+    for recs in (plain, replay):
+        assert len(recs) == 2 and all(0 <= r["routing_agreement"] <= 1 for r in recs)
+        assert recs[0]["routing_agreement"] == pytest.approx(1.0)
+        assert recs[0]["rollout_logprob_diff"] < 1e-3
+    assert replay[0]["loss"] == pytest.approx(plain[0]["loss"], abs=1e-4)
 
 
 def test_grpo_on_separated_vllm_engine_ranks_equals_colocated_and_trains_asynchronously(

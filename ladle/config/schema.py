@@ -831,7 +831,7 @@ class RolloutConfig(Section):
     )
     routing_replay: bool = Field(
         False,
-        description="MoE policies: the training forward routes each token to the experts its sampler chose (R3), so the ratio compares the same computation; `routing_agreement` (the share of tokens the trainer routes as the sampler did) is logged either way (ladle's engine; docs/rl.md)",
+        description="MoE policies: the training forward routes each token to the experts its sampler chose (R3), so the ratio compares the same computation; `routing_agreement` (the share of tokens the trainer routes as the sampler did) is logged either way (either engine, not under TP; docs/rl.md)",
     )
     env: EnvConfig | None = Field(
         None,

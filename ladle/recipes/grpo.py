@@ -22,7 +22,15 @@ import functools
 from ladle.config import LadleConfig
 from ladle.data.prompts import PromptSplit
 from ladle.recipes.base import Setup, Training
-from ladle.recipes.rl import RLRecipe, compute_dtype, correction, every_batch, local_engine, rollout_loader
+from ladle.recipes.rl import (
+    RLRecipe,
+    compute_dtype,
+    correction,
+    every_batch,
+    local_engine,
+    records_routing,
+    rollout_loader,
+)
 from ladle.rl import env, roles, vllm
 from ladle.rl.advantages import group_advantages
 from ladle.rl.loader import end_ids, sampling_of
@@ -104,7 +112,10 @@ class GRPO(RLRecipe):
                     None, s.cfg.model, optimizer=None, seed=s.cfg.seed, end_ids=end_ids(tok), decode=tok.decode,
                     dtype=compute_dtype(s), max_len=s.cfg.data.seq_len, engine_args=g.engine_args,
                     device=s.device, where="grpo.engine_args", separated=True,
+                    routing=records_routing(s), replay=g.routing_replay,
                 )  # fmt: skip
+                if engine.unrecorded:
+                    s.run.events(f"routing_agreement is not logged: {engine.unrecorded}", level="warning")
             else:
                 engine = local_engine(s, g)
             # multi-turn episodes run on the engine's ranks, which turn together (their group)

@@ -42,11 +42,6 @@ class RLRecipe(Recipe):
                 raise ConfigError(
                     f"{key} with parallel.tp={layout.tp}: the routing is recorded without TP for now"
                 )
-            if section.engine != "ladle":
-                raise ConfigError(
-                    f"{key} with {self.section}.engine={section.engine}: the routing is recorded by ladle's engine "
-                    f"for now; set {self.section}.engine: ladle"
-                )
 
     def check_paths(self, cfg: LadleConfig) -> None:
         roles.check_paths(cfg)
@@ -122,9 +117,14 @@ def local_engine(s: Setup, section) -> LocalEngine:
         group=s.par.group,  # the ranks of the model's layout (this group of a separated placement)
         seq_multiple=s.par.layout.tp,
         context=s.unit.numerics,
-        # an MoE policy's routing, for routing_agreement and replay (not under TP's sequence shards)
-        routing=s.cfg.model.moe is not None and s.par.layout.tp == 1,
+        routing=records_routing(s),
     )
+
+
+def records_routing(s: Setup) -> bool:
+    """An MoE policy's routing is recorded as it samples, for routing_agreement and replay (not
+    under TP's sequence shards)."""
+    return s.cfg.model.moe is not None and s.par.layout.tp == 1
 
 
 def rollout_loader(
@@ -163,7 +163,11 @@ def rollout_loader(
             engine_args=section.engine_args,
             device=s.device,
             where=f"{name}.engine_args",
+            routing=records_routing(s),
+            replay=section.routing_replay,
         )
+        if engine.unrecorded:
+            s.run.events(f"routing_agreement is not logged: {engine.unrecorded}", level="warning")
     elif engine is None:
         engine = local_engine(s, section)
     return RolloutLoader(

@@ -15,9 +15,10 @@ Weights that follow the policy: after an optimizer step (or a state load: resume
 next `sync_weights` streams the policy's weights to the engine in Hugging Face names, one tensor
 at a time, each gathered from its FSDP / TP shards when its turn comes and LoRA adapters merged on
 the fly (ladle/models/stream.py `stream_hf`), into the worker's `reload_weights`, which also
-redoes a backend's post-load packing, and empties the prefix cache, whose blocks were computed
-with the old weights. No rank holds a second whole copy of the model. The time is logged as
-`weight_sync_s`.
+redoes a backend's post-load packing (ladle/rl/vllm_worker.py `ladle_reload`, which also packs
+the CPU MoE kernel's experts, left unpacked by vLLM), and empties the prefix cache, whose blocks
+were computed with the old weights. No rank holds a second whole copy of the model. The time is
+logged as `weight_sync_s`.
 
 Sampling: one request per (prompt, sample), seeded from the same key as ladle's own streams
 (ladle/rl/rollout.py `row_seed`), so a response depends on its key, not on its batch; the
@@ -25,6 +26,12 @@ responses of one prompt share its prefill through the prefix cache. Log-probs ar
 "processed" ones, of softmax(logits / T) after top-k / top-p, the trainer's when neither filter
 is set; the rollout correction (ladle/rl/algorithms.py) covers what differs. Stop strings are
 cut here, after generation (the engine runs without a tokenizer).
+
+Routing (an MoE policy's, for `routing_agreement` and routing replay): the worker records the
+experts of every token it computes (ladle/rl/vllm_worker.py `RoutingRecorder`, on vLLM's V1
+model runner, which the engine then starts with); the positions the prefix cache served are
+filled from the row that computed their block (`Blocks`), whose computation they are. Each row's
+routing covers the tokens it read: its prompt and every response token but the last.
 
 With `enable_sleep_mode` in `engine_args` (accelerators), the engine releases its memory
 (weights and KV cache, level 2) after generating and takes it back before the next sync, so the
@@ -41,6 +48,7 @@ import shutil
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from ladle import distributed as dist
@@ -66,6 +74,7 @@ FIXED = {
     "worker_extension_cls",
     "logprobs_mode",
 }
+WORKER = "ladle.rl.vllm_worker.LadleWorker"
 NOT_YET = {  # engine layouts other than one engine per training process
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
@@ -130,7 +139,10 @@ class VLLMEngine(RolloutEngine):
     engine's copy stale; `max_len`: prompt + response tokens at most; `where`: the config key of
     `engine_args`, for the message when vLLM refuses a value. `separated`: on an engine rank of
     GRPO's separated placement, without the policy: vLLM in an engine process of its own, its
-    worker fed by the paired trainer rank (`connect`, `receive`: ladle/rl/vllm_worker.py)."""
+    worker fed by the paired trainer rank (`connect`, `receive`: ladle/rl/vllm_worker.py).
+    `routing`: an MoE policy's routing is recorded with each row; `replay`: the run replays it
+    (`routing_replay`), so a vLLM that cannot record it is refused, where otherwise the engine
+    samples without it and says why in `unrecorded`."""
 
     copies_weights = True
 
@@ -149,8 +161,16 @@ class VLLMEngine(RolloutEngine):
         device: torch.device,
         where: str = "engine_args",
         separated: bool = False,
+        routing: bool = False,
+        replay: bool = False,
     ):
         vllm = import_vllm("engine")
+        self.routing, self.unrecorded = routing, None
+        if routing:  # the worker records it from the V1 model runner's batch layout
+            if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() not in ("0", "false"):
+                self.no_routing("VLLM_USE_V2_MODEL_RUNNER is set", replay, where)
+            else:
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         self.model, self.model_cfg, self.dtype = model, model_cfg, dtype
         self.seed, self.end_ids, self.decode = seed, end_ids, decode
         self.folder = tempfile.mkdtemp(prefix="ladle-vllm-")
@@ -163,7 +183,7 @@ class VLLMEngine(RolloutEngine):
         if separated:  # an engine process with a torch.distributed world of its own
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             visible_only(device)  # the engine process on this rank's device, not the first one
-            where_it_runs = {"worker_extension_cls": "ladle.rl.vllm_worker.WeightReceiver"}
+            where_it_runs = {}
         else:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
             # the executor reads torchrun's variables; a one-process run has none (it joins our group)
@@ -195,6 +215,7 @@ class VLLMEngine(RolloutEngine):
             "dtype": DTYPES[dtype],
             "seed": seed,
             **where_it_runs,
+            "worker_extension_cls": WORKER,
             "logprobs_mode": "processed_logprobs",  # of softmax(logits / T), as the trainer's
         }
         # sleeping gives the training step the device; an engine rank trains nothing on it
@@ -209,6 +230,22 @@ class VLLMEngine(RolloutEngine):
         if optimizer is not None:
             optimizer.register_step_post_hook(lambda *_: self.mark_stale())
         self._params, self._prompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
+        if self.routing:
+            try:
+                self.layers = self.llm.collective_rpc("ladle_record_routing")[0]
+            except Exception as e:  # a model runner or router this vLLM has otherwise
+                self.no_routing(str(e), replay, where)
+            self.blocks = Blocks(self.llm.llm_engine.vllm_config.cache_config.block_size)
+
+    def no_routing(self, why: str, replay: bool, where: str) -> None:
+        """The routing cannot be recorded: refused if the run replays it, noted otherwise."""
+        key = where.rsplit(".", 1)[0] + ".routing_replay"
+        if replay:
+            raise ConfigError(
+                f"{key}: this vLLM's routing cannot be recorded ({why}); set {key}: false, or use "
+                "ladle's engine"
+            )
+        self.routing, self.unrecorded = False, f"the vLLM engine records no routing ({why})"
 
     def mark_stale(self) -> None:
         """The policy's weights changed (an optimizer step, a state load): sync before sampling."""
@@ -221,7 +258,7 @@ class VLLMEngine(RolloutEngine):
             self.asleep = False
         if self.stale:
             pairs = stream_hf(self.model, self.model_cfg, self.dtype, untie=True)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+            self.llm.collective_rpc("ladle_reload", kwargs={"weights_iterator": pairs})
             self.fresh_weights()
         return time.perf_counter() - t0
 
@@ -229,6 +266,8 @@ class VLLMEngine(RolloutEngine):
         """New weights are in: the prefix cache's blocks hold keys and values of the old ones (a
         prompt's shared chat-template start would be read from them), so it starts empty."""
         self.llm.reset_prefix_cache()
+        if self.routing:  # as the prefix cache, the blocks' routing was the old weights'
+            self.blocks.clear()
         self.stale = False
 
     def connect(self, host: str, port: int) -> None:
@@ -273,13 +312,14 @@ class VLLMEngine(RolloutEngine):
                 logprobs=0,
                 seed=row_seed(self.seed, step, i, s, t),
                 detokenize=False,
+                extra_args={"ladle_row": k},  # the worker's label of the row's routing
             )
-            for (_, i, s, t), n in zip(rows, limits, strict=True)
+            for k, ((_, i, s, t), n) in enumerate(zip(rows, limits, strict=True))
         ]
         prompts = [self._prompt(prompt_token_ids=list(p)) for p, _, _, _ in rows]
         done = self.llm.generate(prompts, params, use_tqdm=False) if rows else []
         stop = stop_strings(self.decode, list(sampling.stop)) if sampling.stop else None
-        out = Rollouts()
+        out, read = Rollouts(), []
         for (p, i, s, _), result in zip(rows, done, strict=True):
             c = result.outputs[0]
             ids = list(c.token_ids)
@@ -290,6 +330,36 @@ class VLLMEngine(RolloutEngine):
                 if cut is not None:
                     ids, lps, finished = ids[:cut], lps[:cut], True
             out.add(i, s, p, ids, lps, finished)
+            if self.routing:
+                read.append(list(p) + ids[:-1])
+        if self.routing:
+            out.routing = self.routes(read, self.llm.collective_rpc("ladle_take_routing")[0])
+        return out
+
+    def routes(self, read: list[list[int]], recorded: dict) -> list[torch.Tensor]:
+        """Each row's routing over the tokens it `read` ((tokens, MoE layers, k) int16): what the
+        worker `recorded` for it (`ladle_take_routing`), and the positions the prefix cache
+        served, from `blocks`."""
+        rows = torch.from_numpy(np.frombuffer(recorded["rows"], dtype=np.int64).copy())
+        positions = torch.from_numpy(np.frombuffer(recorded["positions"], dtype=np.int64).copy())
+        experts = np.frombuffer(recorded["experts"], dtype=np.int16).copy()
+        experts = torch.from_numpy(experts).view(recorded["shape"])
+        keep = (rows >= 0) & (rows < len(read))
+        rows, positions, experts = rows[keep], positions[keep], experts[keep]
+        order = torch.argsort(rows, stable=True)
+        counts = torch.bincount(rows, minlength=len(read)).tolist()
+        out = []
+        for tokens, pos, ex in zip(
+            read, positions[order].split(counts), experts[order].split(counts), strict=True
+        ):
+            rt = torch.full((len(tokens), *self.layers), -1, dtype=torch.int16)
+            mine = pos < len(tokens)  # (not the last token's, had it been read)
+            rt[pos[mine]] = ex[mine]  # a position computed twice (a preempted row): the same weights
+            out.append(rt)
+        for tokens, rt in zip(read, out, strict=True):  # every block a row computed whole
+            self.blocks.add(tokens, rt)
+        for tokens, rt in zip(read, out, strict=True):  # then the blocks a row was served
+            self.blocks.fill(tokens, rt)
         return out
 
     def close(self) -> None:
@@ -299,3 +369,35 @@ class VLLMEngine(RolloutEngine):
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+
+
+class Blocks:
+    """The routing of prefix-cache blocks computed with the engine's weights: a block is known by
+    its tokens and every token before it (a chain of hashes, as vLLM's prefix cache keys it), and
+    a row the cache served a block gets the routing of the row that computed it."""
+
+    def __init__(self, size: int):
+        self.size, self.known = size, {}
+
+    def clear(self) -> None:
+        self.known.clear()
+
+    def _keys(self, tokens: list[int]):
+        h = None
+        for j in range(len(tokens) // self.size):
+            h = hash((h, tuple(tokens[j * self.size : (j + 1) * self.size])))
+            yield j * self.size, h
+
+    def add(self, tokens: list[int], routing: torch.Tensor) -> None:
+        have = (routing[:, 0, 0] >= 0).tolist()
+        for a, h in self._keys(tokens):
+            if h not in self.known and all(have[a : a + self.size]):
+                self.known[h] = routing[a : a + self.size]
+
+    def fill(self, tokens: list[int], routing: torch.Tensor) -> None:
+        have = (routing[:, 0, 0] >= 0).tolist()
+        for a, h in self._keys(tokens):
+            if not all(have[a : a + self.size]) and h in self.known:
+                block = routing[a : a + self.size]
+                gap = block[:, 0, 0] < 0
+                block[gap] = self.known[h][gap]
