@@ -579,10 +579,6 @@ def test_environments_and_tools_are_refused_by_name_before_launch(
     refused("has no tool format", tools=["lookup"])
     refused("grpo.env: name 'Feedback' needs `file`, the Python file that defines it", file=None)
     refused("grpo.env.max_total_tokens (100) exceeds data.seq_len (64)", max_total_tokens=100)
-    refused(
-        "ppo.env with ppo.placement=separated",
-        top={"ppo": {"placement": "separated", "env": {"tools": ["python"]}}},
-    )
     assert not (tmp_path / "never").exists()
 
 
@@ -661,6 +657,43 @@ def test_ppo_trains_on_episodes_with_values_on_the_models_tokens(
     assert len(recs) == 4 and all(r["turns_mean"] > 1.2 for r in recs)
     assert all(math.isfinite(r["value_loss"]) and math.isfinite(r["loss"]) for r in recs)
     assert recs[0]["rollout_logprob_diff"] < 1e-4
+
+
+def test_ppo_episodes_with_the_critic_apart_equal_the_shared_run(
+    chat_tokenizer, prompt_data, tmp_path, env_file
+):
+    # ppo.placement: separated: the actor's ranks run the episodes, turning together among
+    # themselves (the critic's ranks run none), and hand the rows, masks over turns included, to
+    # the critic's: every step equals the run with all models in one process
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ladle.config.load import build_config
+    from ladle.recipes import load
+    from ladle.train.metrics import read_metrics
+
+    cfg = env_run_config(chat_tokenizer, prompt_data, tmp_path, env_file)
+    g = cfg.pop("grpo")
+    cfg["train"].update(threads=1)
+    cfg["ppo"] = {
+        "num_samples": 2, "max_response_len": 6, "stop": ["e"], "kl_coef": 0.05, "critic_lr": 1e-3, "ppo_epochs": 2,
+        "env": g["env"],
+    }  # fmt: skip
+    assert load("ppo").run(build_config(cfg)) == "completed"
+    shared = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "ladle", "run", "ppo", "--config", str(path), "--nproc", "2"]
+    over = [f"output_dir={tmp_path / 'apart'}", "ppo.placement=separated"]
+    r = subprocess.run([*cmd, *over], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    apart = [r for r in read_metrics(tmp_path / "apart") if "loss" in r]
+    assert len(apart) == len(shared) == 4 and all(r["turns_mean"] > 1.2 for r in apart)
+    for a, b in zip(shared, apart, strict=True):
+        for key in ("reward_mean", "turns_mean", "response_len_mean", "loss", "value_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
 def test_episodes_on_separated_engine_ranks_equal_the_shared_run(

@@ -999,11 +999,6 @@ class PPOConfig(RolloutConfig):
     def _dual_clip(self):
         if 0 < self.dual_clip <= 1:
             raise ValueError(f"ppo.dual_clip={self.dual_clip}: must be above 1 (or 0: off)")
-        if self.placement == "separated" and self.env is not None:
-            raise ValueError(
-                "ppo.env with ppo.placement=separated: multi-turn episodes run with the actor; use "
-                "ppo.placement: shared"
-            )
         return self
 
 

@@ -172,7 +172,7 @@ def rollout_loader(
         engine = local_engine(s, section)
     return RolloutLoader(
         inner,
-        episodes=env.episodes_for(s.cfg, name, tok, end_ids(tok), s.par),
+        episodes=env.episodes_for(s.cfg, name, tok, end_ids(tok), s.par, group=s.par.group),
         section=section,
         engine=engine,
         tokenizer=tok,
