@@ -261,6 +261,7 @@ def test_vllm_records_the_routing_the_trainer_routes_by(moe_policy, monkeypatch)
     the row that computed their block) and after new weights (the blocks' routing forgotten).
     The engine's log-probs are the trainer's (vLLM's CPU experts are packed again on reload)."""
     import numpy as np
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     from ladle.models.moe import MoE
     from ladle.rl.rollout import Sampling, response_logps, sequences
@@ -271,6 +272,8 @@ def test_vllm_records_the_routing_the_trainer_routes_by(moe_policy, monkeypatch)
     routes = engine.routes
 
     def spy(read, rec):
+        # through msgpack, as a separated engine's process hands it over (tensors would not survive)
+        rec = MsgpackDecoder().decode(MsgpackEncoder().encode(rec))
         rows, pos = (np.frombuffer(rec[key], dtype=np.int64) for key in ("rows", "positions"))
         served.extend(int(k) for k in np.unique(rows) if pos[rows == k].min() >= 32)
         return routes(read, rec)
@@ -446,33 +449,22 @@ def test_grpo_on_the_vllm_engine_under_fsdp_equals_one_process(chat_tokenizer, p
 
 def test_grpo_on_a_moe_policy_replays_vllms_routing(chat_tokenizer, prompt_data, tmp_path):
     """GRPO with vLLM on a tiny MoE policy logs routing_agreement, 1.0 at the first update in fp32
-    (the engine's routing is the trainer's), without routing replay (colocated) and with it on
-    a separated engine rank (the routing crosses from vLLM's engine process); replaying the
+    (the engine's routing is the trainer's), with and without routing replay; replaying the
     sampler's routing is then the same forward."""
-    import subprocess
-    import sys
-
-    import yaml
-
     from ladle.config.load import build_config
     from ladle.recipes import load
     from ladle.train.metrics import read_metrics
 
-    cfg = vllm_grpo(chat_tokenizer, prompt_data, tmp_path / "plain", num_iterations=2)
-    cfg["model"].update(family="qwen3_moe", qk_norm=True, moe={"n_experts": 4, "top_k": 2, "ffn_dim": 32})
-    cfg["train"]["max_steps"] = 1  # its two updates
-    assert load("grpo").run(build_config(cfg)) == "completed"
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    over = [f"output_dir={tmp_path / 'replay'}", "grpo.placement=separated", "grpo.routing_replay=true"]
-    cmd = [sys.executable, "-m", "ladle", "run", "grpo", "--config", str(path), "--nproc", "2", *over]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for out, replay in (("plain", False), ("replay", True)):
+        cfg = vllm_grpo(chat_tokenizer, prompt_data, tmp_path / out, num_iterations=2, routing_replay=replay)
+        cfg["model"].update(family="qwen3_moe", qk_norm=True, moe={"n_experts": 4, "top_k": 2, "ffn_dim": 32})
+        cfg["train"]["max_steps"] = 1  # its two updates
+        assert load("grpo").run(build_config(cfg)) == "completed"
     plain, replay = ([r for r in read_metrics(tmp_path / n) if "loss" in r] for n in ("plain", "replay"))
     for recs in (plain, replay):
         assert recs[0]["routing_agreement"] == pytest.approx(1.0)
         assert recs[0]["rollout_logprob_diff"] < 1e-3
-    assert replay[0]["loss"] == pytest.approx(plain[0]["loss"], abs=1e-4)
+    assert replay[0]["loss"] == pytest.approx(plain[0]["loss"], abs=1e-6)
 
 
 def test_grpo_on_separated_vllm_engine_ranks_equals_colocated_and_trains_asynchronously(
