@@ -28,10 +28,10 @@ from ladle.recipes.rl import (
     correction,
     every_batch,
     local_engine,
-    records_routing,
     rollout_loader,
+    vllm_engine,
 )
-from ladle.rl import env, roles, vllm
+from ladle.rl import env, roles
 from ladle.rl.advantages import group_advantages
 from ladle.rl.loader import end_ids, sampling_of
 from ladle.rl.losses import PolicyLoss
@@ -108,14 +108,7 @@ class GRPO(RLRecipe):
             loader.close()
             tok = s.found["tokenizer"]
             if g.engine == "vllm":  # in an engine process of its own, fed by the trainer rank
-                engine = vllm.VLLMEngine(
-                    None, s.cfg.model, optimizer=None, seed=s.cfg.seed, end_ids=end_ids(tok), decode=tok.decode,
-                    dtype=compute_dtype(s), max_len=s.cfg.data.seq_len, engine_args=g.engine_args,
-                    device=s.device, where="grpo.engine_args", separated=True,
-                    routing=records_routing(s), replay=g.routing_replay,
-                )  # fmt: skip
-                if engine.unrecorded:
-                    s.run.events(f"routing_agreement is not logged: {engine.unrecorded}", level="warning")
+                engine = vllm_engine(s, g, "grpo", separated=True)
             else:
                 engine = local_engine(s, g)
             # multi-turn episodes run on the engine's ranks, which turn together (their group)

@@ -121,6 +121,32 @@ def local_engine(s: Setup, section) -> LocalEngine:
     )
 
 
+def vllm_engine(s: Setup, section, name: str, separated: bool = False) -> vllm.VLLMEngine:
+    """vLLM's engine for the section `name` (`grpo`, `ppo`): in this process, fed the policy `s.unit`
+    trains, or (`separated`) on an engine rank of its own, fed by the paired trainer rank. A vLLM
+    that cannot record an MoE policy's routing is said in events.log."""
+    tok = s.found["tokenizer"]
+    engine = vllm.VLLMEngine(
+        None if separated else s.unit.model,
+        s.cfg.model,
+        optimizer=None if separated else s.unit.optimizer,
+        seed=s.cfg.seed,
+        end_ids=end_ids(tok),
+        decode=tok.decode,
+        dtype=compute_dtype(s),
+        max_len=s.cfg.data.seq_len,
+        engine_args=section.engine_args,
+        device=s.device,
+        where=f"{name}.engine_args",
+        separated=separated,
+        routing=records_routing(s),
+        replay=section.routing_replay,
+    )
+    if engine.unrecorded:
+        s.run.events(f"routing_agreement is not logged: {engine.unrecorded}", level="warning")
+    return engine
+
+
 def records_routing(s: Setup) -> bool:
     """An MoE policy's routing is recorded as it samples, for routing_agreement and replay (not
     under TP's sequence shards)."""
@@ -151,23 +177,7 @@ def rollout_loader(
     parking.add("reference", reference)
     parking.add("reward", reward_model)
     if engine is None and section.engine == "vllm":
-        engine = vllm.VLLMEngine(
-            s.unit.model,
-            s.cfg.model,
-            optimizer=s.unit.optimizer,
-            seed=s.cfg.seed,
-            end_ids=end_ids(tok),
-            decode=tok.decode,
-            dtype=compute_dtype(s),
-            max_len=s.cfg.data.seq_len,
-            engine_args=section.engine_args,
-            device=s.device,
-            where=f"{name}.engine_args",
-            routing=records_routing(s),
-            replay=section.routing_replay,
-        )
-        if engine.unrecorded:
-            s.run.events(f"routing_agreement is not logged: {engine.unrecorded}", level="warning")
+        engine = vllm_engine(s, section, name)
     elif engine is None:
         engine = local_engine(s, section)
     return RolloutLoader(
